@@ -1,0 +1,16 @@
+"""Shared test settings: CPU-friendly vLLM defaults and one torch thread in the test process.
+
+Engine processes started by tests inherit these variables. One thread in the pytest process keeps the
+small models fast when other processes (vLLM engines, drafters) share the 2 cores.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
+sys.path.insert(0, os.path.dirname(__file__))
