@@ -14,3 +14,16 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Engine processes (and the drafter) must be able to import test-only helpers such as tiny_models.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> tuple[str, str]:
+    """A tiny random Llama target and a noisy copy of it as draft, sharing one tokenizer."""
+    from tiny_models import build_tiny_pair
+
+    return build_tiny_pair(tmp_path_factory.mktemp("tiny-pair"))

@@ -1,0 +1,148 @@
+"""`SaguaroProposer`: the vLLM side of Saguaro, plugged in through vLLM's `custom_class` proposer hook.
+
+vLLM builds it in each worker (last pipeline stage) and calls `propose` once per step after bookkeeping.
+It turns each row into the committed tokens the drafter has not seen yet (keyed by the real request id,
+which the runner patch provides), asks the drafter process for drafts, and returns at most K tokens per row
+(`[]` for prefill chunks). For sampled requests it also builds the exact proposal probabilities for vLLM's
+rejection sampler. Only tensor-parallel rank 0 talks to the drafter; other ranks return no drafts (vLLM
+only uses rank 0's). Any drafter failure means "no drafts this step", never a failed request.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from saguaro_vllm.config import ADDITIONAL_CONFIG_KEY
+from saguaro_vllm.drafter_client import DrafterClient, DrafterUnavailable
+from saguaro_vllm.metrics import SaguaroMetrics
+from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
+
+
+def sampling_spec(params: Any) -> SamplingSpec:
+    """The subset of vLLM `SamplingParams` the draft proposal honours."""
+    if params is None:
+        return SamplingSpec()
+    return SamplingSpec(
+        temperature=float(params.temperature),
+        top_p=float(params.top_p),
+        top_k=int(params.top_k or 0),
+        seed=params.seed,
+    )
+
+
+class SaguaroProposer:
+    is_saguaro_proposer = True
+
+    def __init__(self, vllm_config: Any):
+        from vllm.logger import init_logger
+
+        self.logger = init_logger("saguaro_vllm.proposer")
+        self.cfg = dict(vllm_config.additional_config[ADDITIONAL_CONFIG_KEY])
+        self.k = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.vocab_size = int(vllm_config.model_config.get_vocab_size())
+        self.runner: Any = None
+        self.sent: dict[str, int] = {}  # request id -> context tokens already sent to the drafter
+        self.finished: list[str] = []
+        self.step_id = 0
+        self._last_probs: torch.Tensor | None = None
+        self._generation = 0
+        self.metrics = SaguaroMetrics(self.cfg, self.logger)
+        self.client: DrafterClient | None = None
+        if self._is_output_rank():
+            self.client = DrafterClient(self.cfg, self.logger)
+
+    @staticmethod
+    def _is_output_rank() -> bool:
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            return get_tensor_model_parallel_rank() == 0
+        except Exception:  # not initialised (single process)
+            return True
+
+    # ---- hooks called by vLLM and by our runner patch ---------------------------------------------
+    def load_model(self, target_model: Any = None) -> None:
+        """vLLM's model-loading phase: wait for the drafter so the first requests already get drafts."""
+        if self.client is not None:
+            self.client.wait_ready()
+
+    def bind_runner(self, runner: Any) -> None:
+        self.runner = runner
+
+    def on_requests_finished(self, req_ids) -> None:
+        for rid in req_ids:
+            if self.sent.pop(rid, None) is not None:
+                self.finished.append(rid)
+
+    def take_last_draft_probs(self) -> torch.Tensor | None:
+        probs, self._last_probs = self._last_probs, None
+        return probs
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings: Any = None, **_: Any) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        self._last_probs = None
+        if self.client is None or self.runner is None:
+            return drafts
+        if self.client.generation != self._generation:  # drafter (re)started: resend every context
+            self._generation = self.client.generation
+            self.sent.clear()
+            self.finished.clear()
+        req_ids = self.runner.input_batch.req_ids
+        rows: list[RowUpdate] = []
+        row_index: list[int] = []
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled:  # partial prefill chunk: nothing to draft from yet
+                continue
+            rid = req_ids[i]
+            n = int(num_tokens_no_spec[i])
+            start = self.sent.get(rid, 0)
+            if start > n:  # cannot happen for an append-only context; resend to be safe
+                start = 0
+            sampling = None
+            if start == 0:
+                state = self.runner.requests.get(rid)
+                sampling = sampling_spec(state.sampling_params if state is not None else None)
+            rows.append(RowUpdate(rid, start, token_ids_cpu[i, start:n].tolist(), self.k, sampling))
+            row_index.append(i)
+            self.sent[rid] = n
+        if not rows and not self.finished:
+            return drafts
+        self.step_id += 1
+        request = StepRequest(self.step_id, rows, self.finished)
+        self.finished = []
+        t0 = time.perf_counter()
+        try:
+            resp = self.client.step(request)
+        except DrafterUnavailable as err:
+            self.metrics.on_failure(str(err))
+            if self.client.generation != self._generation:
+                self.sent.clear()
+            return drafts
+        for rid in resp.resync:
+            self.sent.pop(rid, None)
+        for j, i in enumerate(row_index):
+            drafts[i] = resp.drafts[j][: self.k]
+        if resp.probs:
+            self._last_probs = self._dense_probs(drafts, row_index, resp.probs)
+        self.metrics.on_step(time.perf_counter() - t0, resp.compute_s, len(rows),
+                             sum(len(d) for d in drafts))
+        return drafts
+
+    def _dense_probs(self, drafts: list[list[int]], row_index: list[int],
+                     probs: dict[int, np.ndarray]) -> torch.Tensor:
+        """[rows, K, vocab] proposal probabilities for the rejection sampler: the drafter's q for sampled
+        rows, one-hot for deterministically chosen drafts (exact for any deterministic choice)."""
+        dense = torch.zeros(len(drafts), self.k, self.vocab_size, dtype=torch.float32)
+        for i, toks in enumerate(drafts):
+            for pos, tok in enumerate(toks):
+                dense[i, pos, tok] = 1.0
+        for j, q in probs.items():
+            i = row_index[j]
+            n = len(drafts[i])
+            dense[i, :n] = torch.from_numpy(q[:n, : self.vocab_size])
+        return dense.to(self.runner.device)

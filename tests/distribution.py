@@ -1,0 +1,251 @@
+"""Statistical harness: is a speculative engine's output distribution the plain engine's?
+
+Reusable by any test (not a test module itself). Typical use, one engine start-up per configuration:
+
+    target, draft = build_tiny_pair(tmp_dir)
+    plain = sample_outputs(target)
+    spec = sample_outputs(target, speculative_config={"method": "draft_model", "model": str(draft),
+                                                      "num_speculative_tokens": 3})
+    pvalues = compare(plain.tokens["t1"], spec.tokens["t1"])      # {"pos2": p, ..., "joint2,3": p}
+    assert min(pvalues.values()) > 1e-3 and spec.spec.accepted > 0
+
+Why it has power: the models are tiny random Llamas with a 24-token vocabulary and a sharpened LM head,
+so ~3000 samples fill a few dozen categories per output position and a biased sampler shows up as a
+chi-square p-value many orders of magnitude below any threshold (vLLM's CPU expand bug: p < 1e-130).
+The draft is the target with one layer fewer and a perturbed LM head: it agrees with the target often but
+not always (vLLM `draft_model`, K=3: ~16 % of draft tokens accepted), so both the acceptance and the
+recovery (rejection) paths of vLLM's rejection sampler decide the samples.
+
+Each engine runs in a fresh Python process (`python tests/distribution.py REQUEST.json`) with the
+environment the caller gives: vLLM general plugins run in every engine process at start-up, so this is
+the only reliable way to compare an engine with the saguaro-vllm patches against one without
+(`env={"VLLM_PLUGINS": ""}`) from one pytest process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Default prompt (token ids; the tiny models have no tokenizer).
+PROMPT = (1, 7, 3, 12, 5)
+#: Engine settings sized for a 2-core machine: 3000 samples of 5 tokens generate in 10-50 s.
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "dtype": "float32", "enforce_eager": True, "max_model_len": 64, "max_num_seqs": 256,
+    "max_num_batched_tokens": 2048, "skip_tokenizer_init": True, "disable_log_stats": False,
+    "enable_prefix_caching": True, "distributed_executor_backend": "uni",
+}
+#: One process for front end, engine core and worker (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `uni`
+#: executor): a vLLM import costs ~15-35 s on a busy 2-core machine, three of them dominate a run.
+#: The plugin still runs in the worker path (`init_worker` loads general plugins, then registers the
+#: CPU kernel overrides). Pass `env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}` and
+#: `engine_kwargs={"distributed_executor_backend": "mp"}` for vLLM's default process layout.
+ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "TOKENIZERS_PARALLELISM": "false"}
+
+
+# --------------------------------------------------------------------------------------------- models
+
+def build_tiny_llama(path: Path, *, vocab_size: int = 24, num_layers: int = 2, hidden_size: int = 128,
+                     num_heads: int = 2, seed: int = 0, lm_head_scale: float = 6.0,
+                     like: Path | None = None, lm_head_noise: float = 0.0) -> Path:
+    """Write a random-weight Llama (HF format, float32 safetensors) to `path`; returns `path`.
+
+    `lm_head_scale` sharpens the next-token distribution (random init gives near-uniform logits).
+    With `like`, start from that model's weights (keeping its first `num_layers` layers) and add
+    Gaussian noise of std `lm_head_noise` * (the LM head's std) to the LM head: a correlated draft.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+        head_dim=hidden_size // num_heads, max_position_embeddings=128, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=vocab_size - 1, pad_token_id=None, torch_dtype="float32",
+    )
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        if like is not None:
+            source = LlamaForCausalLM.from_pretrained(like, torch_dtype=torch.float32)
+            model.load_state_dict(source.state_dict(), strict=False)
+            head = model.lm_head.weight
+            head.add_(torch.randn(head.shape, generator=gen) * lm_head_noise * head.std())
+        else:
+            model.model.embed_tokens.weight.normal_(0.0, 1.0, generator=gen)
+            model.lm_head.weight.mul_(lm_head_scale)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def build_tiny_pair(root: Path, *, vocab_size: int = 24, draft_noise: float = 0.6) -> tuple[Path, Path]:
+    """A target (2 layers) and a correlated draft (1 layer, perturbed LM head) under `root`."""
+    target = build_tiny_llama(Path(root) / "target", vocab_size=vocab_size)
+    draft = build_tiny_llama(Path(root) / "draft", vocab_size=vocab_size, num_layers=1, seed=1,
+                             like=target, lm_head_noise=draft_noise)
+    return target, draft
+
+
+# -------------------------------------------------------------------------------------------- sampling
+
+@dataclasses.dataclass
+class SpecCounters:
+    """vLLM's own spec-decode counters (`LLM.get_metrics()`), summed over the run."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclasses.dataclass
+class SampleRun:
+    """What one engine produced: per variant, a [num_samples, max_tokens] array of token ids."""
+
+    tokens: dict[str, np.ndarray]
+    spec: SpecCounters
+    generate_s: float
+    total_s: float
+
+
+#: One variant: `temperature=1.0` plain sampling. Variants are extra `SamplingParams` fields.
+DEFAULT_VARIANTS: Mapping[str, Mapping[str, Any]] = {"t1": {"temperature": 1.0}}
+
+
+def sample_outputs(model: str | Path, *, speculative_config: Mapping[str, Any] | None = None,
+                   variants: Mapping[str, Mapping[str, Any]] = DEFAULT_VARIANTS, num_samples: int = 3000,
+                   max_tokens: int = 5, prompt: Sequence[int] = PROMPT, seed: int = 0,
+                   env: Mapping[str, str] | None = None, engine_kwargs: Mapping[str, Any] | None = None,
+                   timeout_s: float = 300.0) -> SampleRun:
+    """Start one `vllm.LLM` (in a fresh process) and sample `num_samples` completions per variant.
+
+    Every request is the same `prompt` with `max_tokens` tokens, `ignore_eos`, and no per-request
+    seed (vLLM's global RNG, seeded by `seed`, decides: reproducible without the per-request generator
+    path). All variants share one batch, so they also share the engine's sampling metadata.
+    `env` is added to this process's environment for the engine (e.g. `{"VLLM_PLUGINS": ""}`).
+    Raises `EngineRunError` (with the engine's log tail) if the engine fails.
+    """
+    request = {
+        "model": str(model), "speculative_config": dict(speculative_config) if speculative_config else None,
+        "variants": {k: dict(v) for k, v in variants.items()}, "num_samples": num_samples,
+        "max_tokens": max_tokens, "prompt": list(prompt), "seed": seed,
+        "engine_kwargs": {**ENGINE_DEFAULTS, **(engine_kwargs or {})},
+    }
+    with tempfile.TemporaryDirectory(prefix="saguaro-dist-") as tmp:
+        req_path, out_path, log_path = (Path(tmp) / n for n in ("request.json", "result.json", "log"))
+        req_path.write_text(json.dumps(request))
+        full_env = {**ENV_DEFAULTS, **os.environ, **(env or {})}
+        start = time.monotonic()
+        with open(log_path, "w") as log:
+            proc = subprocess.run([sys.executable, __file__, str(req_path), str(out_path)], env=full_env,
+                                  check=False, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        total_s = time.monotonic() - start
+        if proc.returncode != 0 or not out_path.exists():
+            raise EngineRunError(proc.returncode, log_path.read_text()[-6000:])
+        result = json.loads(out_path.read_text())
+    tokens = {k: np.asarray(v, dtype=np.int64) for k, v in result["tokens"].items()}
+    return SampleRun(tokens, SpecCounters(**result["spec"]), result["generate_s"], total_s)
+
+
+class EngineRunError(RuntimeError):
+    def __init__(self, returncode: int, log_tail: str):
+        super().__init__(f"engine process exited with {returncode}; log tail:\n{log_tail}")
+        self.returncode = returncode
+        self.log_tail = log_tail
+
+
+def _run_engine(request: dict[str, Any]) -> dict[str, Any]:
+    """The engine process: what `sample_outputs` runs in a fresh interpreter."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=request["model"], speculative_config=request["speculative_config"],
+              seed=request["seed"], **request["engine_kwargs"])
+    prompts, params, owners = [], [], []
+    for name, fields in request["variants"].items():
+        sp = SamplingParams(max_tokens=request["max_tokens"], ignore_eos=True, detokenize=False, **fields)
+        for _ in range(request["num_samples"]):
+            prompts.append({"prompt_token_ids": request["prompt"]})
+            params.append(sp)
+            owners.append(name)
+    start = time.monotonic()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    generate_s = time.monotonic() - start
+    tokens: dict[str, list[list[int]]] = {name: [] for name in request["variants"]}
+    for owner, out in zip(owners, outputs):
+        ids = list(out.outputs[0].token_ids)
+        if len(ids) != request["max_tokens"]:
+            raise RuntimeError(f"expected {request['max_tokens']} tokens, got {ids}")
+        tokens[owner].append(ids)
+    return {"tokens": tokens, "spec": _spec_counters(llm.get_metrics()), "generate_s": generate_s}
+
+
+def _spec_counters(metrics: list[Any]) -> dict[str, int]:
+    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    counters = dict.fromkeys(names.values(), 0)
+    for metric in metrics:
+        key = names.get(metric.name.removesuffix("_total"))
+        if key is not None:
+            counters[key] += int(metric.value)
+    return counters
+
+
+# ---------------------------------------------------------------------------------------- statistics
+
+def two_sample_chi2(a: Sequence[Any], b: Sequence[Any], *, min_count: int = 10) -> float:
+    """p-value of the chi-square test that samples `a` and `b` (hashable outcomes) share a distribution.
+
+    Outcomes seen fewer than `min_count` times in both samples together are pooled into one category
+    (so every expected cell count is about `min_count / 2` or more; pooled cells of a well-filled
+    table keep the test valid). Returns 1.0 when fewer than two categories remain.
+    """
+    from scipy.stats import chi2_contingency
+
+    ca, cb = Counter(a), Counter(b)
+    table, rest = [], [0, 0]
+    for outcome in sorted(set(ca) | set(cb)):
+        row = [ca[outcome], cb[outcome]]
+        if sum(row) >= min_count:
+            table.append(row)
+        else:
+            rest[0] += row[0]
+            rest[1] += row[1]
+    if sum(rest) > 0:
+        table.append(rest)
+    if len(table) < 2:
+        return 1.0
+    return float(chi2_contingency(np.asarray(table).T, correction=False).pvalue)
+
+
+def compare(a: np.ndarray, b: np.ndarray, *, positions: Sequence[int] = (2, 3, 4),
+            joints: Sequence[tuple[int, int]] = ((2, 3),), min_count: int = 10) -> dict[str, float]:
+    """Chi-square p-values comparing two [samples, tokens] arrays: one per marginal output position
+    (`"pos2"`, ...) and one per joint of two positions (`"joint2,3"`, ...)."""
+    out = {f"pos{i}": two_sample_chi2(a[:, i].tolist(), b[:, i].tolist(), min_count=min_count)
+           for i in positions}
+    for i, j in joints:
+        out[f"joint{i},{j}"] = two_sample_chi2(list(map(tuple, a[:, [i, j]].tolist())),
+                                               list(map(tuple, b[:, [i, j]].tolist())), min_count=min_count)
+    return out
+
+
+if __name__ == "__main__":
+    request_path, result_path = sys.argv[1:3]
+    result = _run_engine(json.loads(Path(request_path).read_text()))
+    Path(result_path).write_text(json.dumps(result))

@@ -1,0 +1,102 @@
+"""Run a real `vllm.LLM` in a fresh process and return what it generated (test helper, not a test).
+
+A fresh interpreter per engine gives each engine the exact environment the test asks for (vLLM plugins run
+at start-up in every engine process) and keeps engines from sharing state. The engine runs in one process
+(front end, engine core and worker: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, `uni` executor), which starts
+several times faster on 2 cores; the Saguaro drafter still runs in its own process.
+
+    runs = run_engine(target, jobs=[Job("batch", prompts, {"temperature": 0, "max_tokens": 32})],
+                      speculative_config={...})
+    runs["batch"].token_ids, runs["batch"].spec.accepted
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from distribution import ENV_DEFAULTS, EngineRunError, SpecCounters, _spec_counters
+
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "dtype": "float32", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 32,
+    "disable_log_stats": False, "distributed_executor_backend": "uni",
+}
+
+
+@dataclasses.dataclass
+class Job:
+    """Prompts (text or token-id lists) generated with one set of SamplingParams fields.
+    `sequential`: one request at a time (batch 1) instead of one batch."""
+
+    name: str
+    prompts: list[Any]
+    params: dict[str, Any]
+    sequential: bool = False
+
+
+@dataclasses.dataclass
+class JobResult:
+    token_ids: list[list[int]]
+    texts: list[str]
+    spec: SpecCounters  # counters accumulated during this job only
+    seconds: float
+
+
+def run_engine(model: str, jobs: list[Job], *, speculative_config: dict | None = None,
+               engine_kwargs: dict | None = None, env: dict | None = None,
+               timeout_s: float = 600.0) -> dict[str, JobResult]:
+    request = {"model": str(model), "speculative_config": speculative_config,
+               "engine_kwargs": {**ENGINE_DEFAULTS, **(engine_kwargs or {})},
+               "jobs": [dataclasses.asdict(j) for j in jobs]}
+    with tempfile.TemporaryDirectory(prefix="saguaro-engine-") as tmp:
+        req_path, out_path, log_path = (Path(tmp) / n for n in ("request.json", "result.json", "log"))
+        req_path.write_text(json.dumps(request))
+        with open(log_path, "w") as log:
+            proc = subprocess.run([sys.executable, __file__, str(req_path), str(out_path)],
+                                  env={**ENV_DEFAULTS, **os.environ, **(env or {})}, check=False,
+                                  stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        if proc.returncode != 0 or not out_path.exists():
+            raise EngineRunError(proc.returncode, log_path.read_text()[-8000:])
+        result = json.loads(out_path.read_text())
+    return {name: JobResult(r["token_ids"], r["texts"], SpecCounters(**r["spec"]), r["seconds"])
+            for name, r in result.items()}
+
+
+def _inputs(prompt: Any) -> Any:
+    return prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+
+
+def _main(request: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=request["model"], speculative_config=request["speculative_config"],
+              **request["engine_kwargs"])
+    results: dict[str, Any] = {}
+    for job in request["jobs"]:
+        before = _spec_counters(llm.get_metrics())
+        sp = SamplingParams(**job["params"])
+        start = time.monotonic()
+        if job["sequential"]:
+            outs = [llm.generate([_inputs(p)], sp, use_tqdm=False)[0] for p in job["prompts"]]
+        else:
+            outs = llm.generate([_inputs(p) for p in job["prompts"]], sp, use_tqdm=False)
+        seconds = time.monotonic() - start
+        after = _spec_counters(llm.get_metrics())
+        results[job["name"]] = {
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+            "texts": [o.outputs[0].text for o in outs],
+            "spec": {k: after[k] - before[k] for k in after},
+            "seconds": seconds,
+        }
+    return results
+
+
+if __name__ == "__main__":
+    req, out = sys.argv[1:3]
+    Path(out).write_text(json.dumps(_main(json.loads(Path(req).read_text()))))

