@@ -18,8 +18,15 @@ _PROM: dict | None = None
 
 
 def _prometheus() -> dict:
-    """Create the collectors once per process (registering twice raises)."""
+    """The collectors, created once per process (registering twice raises) and registered again if vLLM's
+    stat logger unregistered every `vllm:` collector (it does at start-up, which in a single-process engine
+    comes after the worker built the proposer)."""
     global _PROM
+    if _PROM is not None:
+        registry = prometheus_client.REGISTRY
+        for collector in _PROM.values():
+            if collector not in registry._collector_to_names:
+                registry.register(collector)
     if _PROM is None and prometheus_client is not None:
         _PROM = {
             "round_trip": prometheus_client.Histogram(
@@ -32,6 +39,12 @@ def _prometheus() -> dict:
                 buckets=STEP_BUCKETS),
             "draft_tokens": prometheus_client.Counter(
                 "vllm:saguaro_draft_tokens", "Draft tokens returned by the Saguaro drafter."),
+            "requests": prometheus_client.Gauge(
+                "vllm:saguaro_drafter_requests", "Requests whose state the drafter holds.",
+                multiprocess_mode="livesum"),
+            "free_blocks": prometheus_client.Gauge(
+                "vllm:saguaro_drafter_free_kv_blocks", "Free blocks of the drafter's paged KV cache.",
+                multiprocess_mode="livesum"),
             "failures": prometheus_client.Counter(
                 "vllm:saguaro_drafter_failures",
                 "Steps in which the drafter could not answer (no drafts proposed; outputs unaffected)."),
@@ -45,14 +58,15 @@ class SaguaroMetrics:
     def __init__(self, cfg: dict, logger):
         self.logger = logger
         self.interval = float(cfg.get("saguaro", {}).get("log_interval_s", 10.0))
-        self.prom = _prometheus()
-        self.steps = self.rows = self.draft_tokens = self.failures = 0
+        self.steps = self.rows = self.draft_tokens = self.failures = self.live_requests = 0
         self.round_trip_s = self.compute_s = 0.0
         self._last_log = time.monotonic()
         self._window = [0, 0.0, 0.0, 0]  # steps, round trip, compute, draft tokens since last log
 
-    def on_step(self, round_trip_s: float, compute_s: float, rows: int, draft_tokens: int) -> None:
+    def on_step(self, round_trip_s: float, compute_s: float, rows: int, draft_tokens: int,
+                live_requests: int = 0, free_blocks: int = 0) -> None:
         self.steps += 1
+        self.live_requests = live_requests
         self.rows += rows
         self.draft_tokens += draft_tokens
         self.round_trip_s += round_trip_s
@@ -62,14 +76,18 @@ class SaguaroMetrics:
         w[1] += round_trip_s
         w[2] += compute_s
         w[3] += draft_tokens
+        self.prom = _prometheus()
         if self.prom:
             self.prom["round_trip"].observe(round_trip_s)
             self.prom["compute"].observe(compute_s)
             self.prom["draft_tokens"].inc(draft_tokens)
+            self.prom["requests"].set(live_requests)
+            self.prom["free_blocks"].set(free_blocks)
         self._maybe_log()
 
     def on_failure(self, reason: str) -> None:
         self.failures += 1
+        self.prom = _prometheus()
         if self.prom:
             self.prom["failures"].inc()
         self.logger.warning("Saguaro: no drafts this step: %s", reason)
@@ -81,8 +99,8 @@ class SaguaroMetrics:
         steps, rt, comp, toks = self._window
         self.logger.info(
             "Saguaro metrics: drafter steps: %d, mean step time: %.2f ms (drafter compute %.2f ms), "
-            "draft tokens per step: %.2f, drafter failures: %d",
-            steps, 1e3 * rt / steps, 1e3 * comp / steps, toks / steps, self.failures,
+            "draft tokens per step: %.2f, requests held by the drafter: %d, drafter failures: %d",
+            steps, 1e3 * rt / steps, 1e3 * comp / steps, toks / steps, self.live_requests, self.failures,
         )
         self._window = [0, 0.0, 0.0, 0]
         self._last_log = now

@@ -63,6 +63,8 @@ class StepResponse:
     #: requests whose context the drafter does not hold (lost state): resend them from position 0.
     resync: list[str] = dataclasses.field(default_factory=list)
     error: str | None = None
+    live_requests: int = 0  # requests the drafter holds state for, after this step
+    free_blocks: int = 0  # free blocks of the drafter's KV cache, after this step
 
 
 @dataclasses.dataclass

@@ -46,6 +46,8 @@ class JobResult:
     texts: list[str]
     spec: SpecCounters  # counters accumulated during this job only
     seconds: float
+    #: Saguaro's own Prometheus samples at the end of the job (the proposer runs in the engine process).
+    saguaro: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def run_engine(model: str, jobs: list[Job], *, speculative_config: dict | None = None,
@@ -64,12 +66,19 @@ def run_engine(model: str, jobs: list[Job], *, speculative_config: dict | None =
         if proc.returncode != 0 or not out_path.exists():
             raise EngineRunError(proc.returncode, log_path.read_text()[-8000:])
         result = json.loads(out_path.read_text())
-    return {name: JobResult(r["token_ids"], r["texts"], SpecCounters(**r["spec"]), r["seconds"])
+    return {name: JobResult(r["token_ids"], r["texts"], SpecCounters(**r["spec"]), r["seconds"], r["saguaro"])
             for name, r in result.items()}
 
 
 def _inputs(prompt: Any) -> Any:
     return prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+
+
+def _saguaro_samples() -> dict[str, float]:
+    import prometheus_client
+
+    return {s.name: s.value for m in prometheus_client.REGISTRY.collect() for s in m.samples
+            if s.name.startswith("vllm:saguaro")}
 
 
 def _main(request: dict[str, Any]) -> dict[str, Any]:
@@ -93,6 +102,7 @@ def _main(request: dict[str, Any]) -> dict[str, Any]:
             "texts": [o.outputs[0].text for o in outs],
             "spec": {k: after[k] - before[k] for k in after},
             "seconds": seconds,
+            "saguaro": _saguaro_samples(),
         }
     return results
 

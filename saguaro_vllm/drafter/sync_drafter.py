@@ -110,7 +110,8 @@ class SyncDrafter:
                     next_active.append(row_i)
             active, chunks = self._fit(req.rows, next_active, next_chunks)
         out_probs = {i: np.stack(p) for i, p in probs.items() if p}
-        return StepResponse(req.step, drafts, out_probs, time.perf_counter() - t0, resync)
+        return StepResponse(req.step, drafts, out_probs, time.perf_counter() - t0, resync,
+                            live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks)
 
     def _choose(self, st: _ReqState, logits: torch.Tensor, probs_out: list | None) -> int:
         if probs_out is None:
