@@ -60,7 +60,8 @@ class SaguaroOptions(BaseModel):
         1.0, description="Memory for the drafter's KV cache, in GiB (sizes the number of blocks)."
     )
     max_tokens_per_forward: int = Field(
-        2048, description="Prefill chunk size of the drafter (tokens per forward across the batch)."
+        2048, description="Prefill chunk size: at most this many tokens of one request per drafter forward "
+        "(long prompts are prefilled in chunks)."
     )
     step_timeout_s: float = Field(
         30.0,

@@ -39,7 +39,7 @@ class SaguaroProposer:
     def __init__(self, vllm_config: Any):
         from vllm.logger import init_logger
 
-        self.logger = init_logger("saguaro_vllm.proposer")
+        self.logger = init_logger("vllm.saguaro.proposer")
         self.cfg = dict(vllm_config.additional_config[ADDITIONAL_CONFIG_KEY])
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())

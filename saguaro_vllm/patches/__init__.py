@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-logger = logging.getLogger("saguaro_vllm.patches")
+logger = logging.getLogger("vllm.saguaro.patches")
 
 #: vLLM versions the patches were written for and checked against: [min, max).
 SUPPORTED_VLLM = ((0, 32, 0), (0, 33, 0))

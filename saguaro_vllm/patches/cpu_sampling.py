@@ -39,7 +39,7 @@ import torch
 
 from saguaro_vllm.patches import vllm_patch
 
-logger = logging.getLogger("saguaro_vllm.patches")
+logger = logging.getLogger("vllm.saguaro.patches")
 
 _CPU_TRITON_UTILS = "vllm.utils.cpu_triton_utils"
 _TOPK_TOPP = "vllm.v1.sample.ops.topk_topp_sampler"

@@ -13,7 +13,7 @@ import logging
 from saguaro_vllm.config import ADDITIONAL_CONFIG_KEY, PROPOSER_CLASS, parse_saguaro_config
 from saguaro_vllm.patches import vllm_patch
 
-logger = logging.getLogger("saguaro_vllm")
+logger = logging.getLogger("vllm.saguaro")
 
 
 @vllm_patch("vllm.engine.arg_utils:EngineArgs", "create_speculative_config",
