@@ -19,7 +19,12 @@ PROMPTS = [
     "print(os.getcwd(), sys.argv)",
     "return a + b\n" * 6,
     "class",
+    # Longer than max_num_batched_tokens: prefilled in chunks, so the proposer sees rows with no sampled
+    # tokens (it must return [] for them) while other requests decode.
+    "def f(x):\n    return [i * x for i in range(x) if i % 3]\n" * 5,
 ]
+# Small token budget: forces chunked prefill of the long prompt beside decoding requests.
+ENGINE = {"max_num_batched_tokens": 96, "max_num_seqs": 16}
 GREEDY = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
 
 
@@ -29,14 +34,14 @@ def _jobs():
 
 @pytest.fixture(scope="module")
 def reference(tiny_pair):
-    return run_engine(tiny_pair[0], _jobs())
+    return run_engine(tiny_pair[0], _jobs(), engine_kwargs=ENGINE)
 
 
 @pytest.fixture(scope="module")
 def saguaro(tiny_pair):
     spec = {"method": "saguaro", "model": tiny_pair[1], "num_speculative_tokens": 4,
             "saguaro": {"mode": "sync", "log_interval_s": 1}}
-    return run_engine(tiny_pair[0], _jobs(), speculative_config=spec)
+    return run_engine(tiny_pair[0], _jobs(), speculative_config=spec, engine_kwargs=ENGINE)
 
 
 @pytest.mark.parametrize("job", ["batch", "batch1"])
