@@ -4,10 +4,13 @@ Each layer owns one tensor `[2, num_blocks, block_size, num_kv_heads, head_size]
 layout: index 0 holds keys, 1 values), so vLLM's cache kernels (`reshape_and_cache_flash`, flash/paged
 attention) can serve it unchanged where vLLM is installed. A token's KV lives at
 `slot = block_id * block_size + offset`; a request's block table lists its blocks in logical order.
+Blocks are reference-counted so that forked sequences (the branches of SSD's pre-drafting) share their
+common prefix instead of copying it; shared blocks are read-only (copy-on-write).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,17 +68,24 @@ def num_blocks_for_budget(
 
 
 class BlockAllocator:
-    """Free list of block ids. All-or-nothing allocation; double frees are bugs and raise."""
+    """Reference-counted free list of block ids. All-or-nothing allocation; over-freeing is a bug and raises.
+
+    Forked sequences share blocks: each holder counts once, and a block returns to the free list when its
+    last holder lets go.
+    """
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         # Pop from the end: low ids first, so a fresh cache fills from the start.
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._in_use = bytearray(num_blocks)
+        self._refs = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
@@ -83,22 +93,43 @@ class BlockAllocator:
         blocks = self._free[len(self._free) - n :][::-1]
         del self._free[len(self._free) - n :]
         for b in blocks:
-            self._in_use[b] = 1
+            self._refs[b] = 1
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
+    def share(self, blocks: list[int]) -> None:
+        """One more holder for each of `blocks` (all must be allocated)."""
         for b in blocks:
-            if not self._in_use[b]:
+            if not self._refs[b]:
+                raise ValueError(f"block {b} shared while free")
+        for b in blocks:
+            self._refs[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """One holder fewer for each of `blocks`; checked in full before anything changes."""
+        drops: dict[int, int] = {}
+        for b in blocks:
+            drops[b] = drops.get(b, 0) + 1
+            if drops[b] > self._refs[b]:
                 raise ValueError(f"block {b} freed twice or never allocated")
-            self._in_use[b] = 0
-        self._free.extend(reversed(blocks))
+        for b in reversed(blocks):
+            self._refs[b] -= 1
+            if not self._refs[b]:
+                self._free.append(b)
 
 
 class BlockTable:
-    """One request's blocks in logical order; grows and shrinks through a shared allocator."""
+    """One sequence's blocks in logical order; grows, shrinks and forks through a shared allocator.
 
-    def __init__(self, allocator: BlockAllocator, block_size: int):
+    Blocks may be shared with forked sequences. A shared block is never written: `ensure(..., write_from)`
+    first swaps each shared block in the write range for a private copy (`copy_block(src, dst)` copies a
+    block's contents in every layer).
+    """
+
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, copy_block: Callable[[int, int], None] | None = None
+    ):
         self._allocator = allocator
+        self._copy_block = copy_block
         self.block_size = block_size
         self.blocks: list[int] = []
 
@@ -107,22 +138,57 @@ class BlockTable:
         """Tokens the allocated blocks can hold."""
         return len(self.blocks) * self.block_size
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        """Extra blocks required to hold `num_tokens` tokens in total."""
-        return max(0, -(-num_tokens // self.block_size) - len(self.blocks))
+    def _shared_in(self, write_from: int, num_tokens: int) -> list[int]:
+        """Indices of shared blocks holding any of the token positions `write_from..num_tokens-1`."""
+        if num_tokens <= write_from:
+            return []
+        end = min(len(self.blocks), -(-num_tokens // self.block_size))
+        first = write_from // self.block_size
+        return [i for i in range(first, end) if self._allocator.refcount(self.blocks[i]) > 1]
 
-    def ensure(self, num_tokens: int) -> None:
-        """Grow to hold `num_tokens` tokens; raises OutOfBlocksError and changes nothing if it can't."""
-        need = self.blocks_needed(num_tokens)
-        if need:
-            self.blocks.extend(self._allocator.allocate(need))
+    def blocks_needed(self, num_tokens: int, write_from: int | None = None) -> int:
+        """Blocks to allocate to hold `num_tokens` tokens in total, plus (when `write_from` is given) the
+        private copies of shared blocks that writing positions `write_from..num_tokens-1` needs."""
+        grow = max(0, -(-num_tokens // self.block_size) - len(self.blocks))
+        return grow + (len(self._shared_in(write_from, num_tokens)) if write_from is not None else 0)
+
+    def ensure(self, num_tokens: int, write_from: int | None = None) -> None:
+        """Grow to hold `num_tokens` tokens and make positions `write_from..num_tokens-1` writable;
+        raises OutOfBlocksError and changes nothing if it can't."""
+        shared = self._shared_in(write_from, num_tokens) if write_from is not None else []
+        if shared and self._copy_block is None:
+            raise RuntimeError("writing a shared block needs a block table made by PagedKVCache")
+        grow = max(0, -(-num_tokens // self.block_size) - len(self.blocks))
+        new = self._allocator.allocate(grow + len(shared))
+        for i, dst in zip(shared, new[grow:], strict=True):
+            self._copy_block(self.blocks[i], dst)
+            self._allocator.free([self.blocks[i]])
+            self.blocks[i] = dst
+        self.blocks.extend(new[:grow])
 
     def shrink(self, num_tokens: int) -> None:
-        """Return the blocks not needed for the first `num_tokens` tokens."""
+        """Let go of the blocks not needed for the first `num_tokens` tokens."""
         keep = -(-num_tokens // self.block_size)
         if keep < len(self.blocks):
             self._allocator.free(self.blocks[keep:])
             del self.blocks[keep:]
+
+    def fork(self, num_tokens: int) -> BlockTable:
+        """A new table for the first `num_tokens` tokens: full blocks shared, the partial last block copied
+        into a fresh one (so neither side ever writes into a shared block while appending). Raises
+        OutOfBlocksError, changing nothing, when the copy has no block."""
+        if not 0 <= num_tokens <= self.capacity:
+            raise ValueError(f"cannot fork {num_tokens} tokens from a table holding {self.capacity}")
+        full, partial = divmod(num_tokens, self.block_size)
+        child = BlockTable(self._allocator, self.block_size, self._copy_block)
+        if partial:
+            if self._copy_block is None:
+                raise RuntimeError("forking a partial block needs a block table made by PagedKVCache")
+            (copy,) = self._allocator.allocate(1)
+            self._copy_block(self.blocks[full], copy)
+        self._allocator.share(self.blocks[:full])
+        child.blocks = self.blocks[:full] + ([copy] if partial else [])
+        return child
 
     def slots(self, start: int, end: int) -> list[int]:
         """Cache slots of logical token positions `start..end-1` (must be within capacity)."""
@@ -153,4 +219,9 @@ class PagedKVCache:
         self.allocator = BlockAllocator(cfg.num_blocks)
 
     def new_block_table(self) -> BlockTable:
-        return BlockTable(self.allocator, self.block_size)
+        return BlockTable(self.allocator, self.block_size, self.copy_block)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block `src` into block `dst` in every layer (keys and values)."""
+        for layer in self.layers:
+            layer[:, dst].copy_(layer[:, src])

@@ -3,6 +3,10 @@
 The runner knows requests, their blocks and how many tokens of KV are valid; it knows nothing of drafting
 or sampling (the drafting loop sits on top of `forward`). Requests that do not fit are the caller's
 decision: `reserve` each one first and leave out those that raise `OutOfBlocksError`.
+
+A sequence can be forked (`fork`): the child shares the parent's first tokens of KV and is then extended
+with ordinary `forward` chunks, which is how SSD's pre-drafting branches are run; `adopt` makes a child
+the parent's continuation (a speculation-cache hit keeps the branch's KV instead of recomputing it).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class DraftModelRunner:
         self._requests[req_id] = _Request(self.kv_cache.new_block_table())
 
     def free_request(self, req_id: str) -> None:
-        """Forget the request and return all its blocks (on finish or preemption)."""
+        """Forget the request and let go of all its blocks (on finish or preemption; also for forks)."""
         self._get(req_id).block_table.shrink(0)
         del self._requests[req_id]
 
@@ -80,7 +84,35 @@ class DraftModelRunner:
     def reserve(self, req_id: str, num_new_tokens: int) -> None:
         """Make room for `num_new_tokens` more tokens; raises OutOfBlocksError (changing nothing)."""
         req = self._get(req_id)
-        req.block_table.ensure(req.num_computed + num_new_tokens)
+        req.block_table.ensure(req.num_computed + num_new_tokens, write_from=req.num_computed)
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
+        """New sequence `child_id` holding the KV of `parent_id`'s first `num_tokens` tokens.
+
+        Full blocks are shared, the partial last block is copied (one block; OutOfBlocksError, changing
+        nothing, if there is none). Either side can then be extended, truncated or freed independently.
+        """
+        parent = self._get(parent_id)
+        if child_id in self._requests:
+            raise ValueError(f"request {child_id!r} is already known to the draft runner")
+        if not 0 <= num_tokens <= parent.num_computed:
+            raise ValueError(f"request {parent_id!r}: cannot fork {num_tokens} tokens, "
+                             f"{parent.num_computed} are computed")
+        self._requests[child_id] = _Request(parent.block_table.fork(num_tokens), num_tokens)
+
+    def adopt(self, child_id: str, parent_id: str) -> None:
+        """Make `child_id`'s sequence the sequence of `parent_id` and forget `child_id`; the parent's old
+        blocks are let go (those the child or other forks still share stay)."""
+        child, parent = self._get(child_id), self._get(parent_id)
+        if child_id == parent_id:
+            raise ValueError(f"request {child_id!r} cannot adopt itself")
+        parent.block_table.shrink(0)
+        self._requests[parent_id] = child
+        del self._requests[child_id]
+
+    def block_ids(self, req_id: str) -> list[int]:
+        """The sequence's blocks in logical order (a copy)."""
+        return list(self._get(req_id).block_table.blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -182,13 +214,17 @@ class DraftModelRunner:
                                  "(the chunk's length)")
 
     def _reserve_all(self, chunks: Sequence[Chunk]) -> None:
-        """Allocate blocks for all chunks, or none of them."""
-        needs = [(self._requests[r].block_table, s + len(t)) for r, t, s in chunks]
-        total = sum(table.blocks_needed(n) for table, n in needs)
+        """Allocate blocks for all chunks (growth and private copies of shared blocks), or none of them.
+
+        The copy count is an upper bound (two forks writing one shared block copy it once), so once the
+        check passes every `ensure` succeeds.
+        """
+        needs = [(self._requests[r].block_table, s + len(t), s) for r, t, s in chunks]
+        total = sum(table.blocks_needed(n, write_from=s) for table, n, s in needs)
         if total > self.num_free_blocks:
             raise OutOfBlocksError(total, self.num_free_blocks)
-        for table, n in needs:
-            table.ensure(n)
+        for table, n, s in needs:
+            table.ensure(n, write_from=s)
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

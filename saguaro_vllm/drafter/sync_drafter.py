@@ -29,12 +29,16 @@ class _ReqState:
     generator: torch.Generator | None
     context: list[int] = dataclasses.field(default_factory=list)
     drafted: list[int] = dataclasses.field(default_factory=list)  # drafts with KV after the context
+    #: with `keep_logits`: the draft logits each draft of the last step was chosen from ([vocab] each);
+    #: row j is the depth-j bonus distribution that SSD's outcome prediction needs (drafter/branches.py).
+    draft_logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 class SyncDrafter:
-    def __init__(self, runner: DraftModelRunner, vocab_size: int):
+    def __init__(self, runner: DraftModelRunner, vocab_size: int, keep_logits: bool = False):
         self.runner = runner
         self.vocab_size = vocab_size
+        self.keep_logits = keep_logits
         self.reqs: dict[str, _ReqState] = {}
         self.num_out_of_blocks = 0
 
@@ -68,6 +72,7 @@ class SyncDrafter:
             valid = min(self.runner.num_computed(row.req_id), old_len + matched)
             self.runner.truncate(row.req_id, valid)
         st.drafted = []
+        st.draft_logits = []
         return st
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -104,6 +109,8 @@ class SyncDrafter:
                 row, st = req.rows[row_i], self.reqs[req.rows[row_i].req_id]
                 tok = self._choose(st, lg, probs.setdefault(row_i, []) if not st.sampling.greedy else None)
                 drafts[row_i].append(tok)
+                if self.keep_logits:
+                    st.draft_logits.append(lg)
                 if s + 1 < row.num_drafts:
                     st.drafted.append(tok)
                     next_chunks.append((rid, [tok], self.runner.num_computed(rid)))

@@ -1,0 +1,215 @@
+"""SSD's multi-branch draft step (ssd-algorithm.md §3-4), run on forked runner sequences.
+
+A request that has just sent drafts x1..xK for verification holds KV for its committed context (L tokens,
+the last being the pending bonus token) and x1..x_{K-1}, as `SyncDrafter` leaves it. Every candidate
+outcome "j drafts accepted, bonus token t" becomes one branch: a fork of the request's sequence at L + j
+tokens, fed t and then its own drafts. One `runner.forward` per step advances all branches of all requests,
+so K steps draft K tokens for every branch.
+
+Each branch is an ordinary sequence (shared prefix blocks, private tail), attended with the plain chain
+attention: its drafts equal those of the same tokens run alone from scratch, by construction and by test.
+The fused op in `saguaro_vllm.ops` (one query per branch, scratch slots) is the fast path to swap in later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from saguaro_vllm.drafter.kv_cache import OutOfBlocksError
+from saguaro_vllm.drafter.runner import DraftModelRunner
+
+#: (request id, logits [n, vocab] of that request's branches at one step) -> (tokens [n], proposal probs
+#: [n, vocab] or None). Called once per request per step, branches in candidate order.
+Propose = Callable[[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def greedy(req_id: str, logits: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """The greedy proposal: argmax, no probabilities (verified one-hot)."""
+    return logits.argmax(dim=-1), None
+
+
+@dataclass(frozen=True)
+class BranchRoot:
+    """A request whose drafts are out for verification: its runner sequence holds `context_len` +
+    `len(drafts) - 1` tokens of KV (`glue` adds the last draft's)."""
+
+    req_id: str
+    context_len: int  # L: committed tokens, the last one the pending bonus token
+    drafts: tuple[int, ...]  # x1..xK as sent
+
+    @property
+    def k(self) -> int:
+        return len(self.drafts)
+
+
+@dataclass
+class Branch:
+    """One pre-drafted outcome: `depth` drafts accepted, then `bonus`; `tokens` y1..y_steps drafted after.
+
+    `seq_id` is the runner sequence holding KV for context + x1..x_depth + bonus + y1..y_{steps-1}: the
+    state `SyncDrafter` would be in after drafting `tokens` from that context (adopt it on a hit).
+    """
+
+    req_id: str
+    depth: int
+    bonus: int
+    seq_id: str
+    tokens: list[int]
+    logits: torch.Tensor | None = None  # [steps, vocab] fp32, with keep_logits: next round's depth dists
+    probs: torch.Tensor | None = None  # [steps, vocab] proposal probabilities, for sampled proposals
+
+
+def branch_seq_id(req_id: str, depth: int, bonus: int) -> str:
+    """Runner sequence id of a branch (unique per request and outcome; the runner refuses duplicates)."""
+    return f"{req_id}\x00branch:{depth}:{bonus}"
+
+
+@torch.inference_mode()
+def glue(runner: DraftModelRunner, roots: Sequence[BranchRoot], vocab_size: int | None = None) -> torch.Tensor:
+    """Feed each root's last draft x_K: writes the KV the depth-K branches fork from and returns the
+    depth-K bonus logits `[len(roots), vocab]`. Raises OutOfBlocksError (changing nothing) if the roots
+    do not all fit; `runner.reserve(req_id, 1)` first to pick the ones that do."""
+    for r in roots:
+        if r.k < 1 or runner.num_computed(r.req_id) != r.context_len + r.k - 1:
+            raise ValueError(f"request {r.req_id!r}: glue needs KV for context + drafts[:-1] "
+                             f"({r.context_len + r.k - 1} tokens), {runner.num_computed(r.req_id)} are computed")
+    logits = runner.forward([(r.req_id, [r.drafts[-1]], r.context_len + r.k - 1) for r in roots])
+    return logits[:, :vocab_size] if vocab_size else logits
+
+
+def bonus_distributions(draft_logits: Sequence[torch.Tensor], glue_logits: torch.Tensor) -> torch.Tensor:
+    """`[K+1, vocab]`: row j < K is the distribution x_{j+1} was drafted from (the draft's guess of the bonus
+    token if exactly j drafts are accepted), row K the glue's."""
+    return torch.cat([torch.stack(list(draft_logits)), glue_logits[None]])
+
+
+def _admit(
+    runner: DraftModelRunner, roots: Sequence[BranchRoot], candidates: Sequence[Sequence[tuple[int, int]]],
+    steps: list[int],
+) -> list[list[Branch]]:
+    """Fork and reserve every branch that fits, rank by rank across requests (the first candidate of every
+    request before anyone's second), so a full cache drops the least likely outcomes first."""
+    for root, cands in zip(roots, candidates, strict=True):  # all checks first: no fork to undo
+        if len(set(cands)) != len(cands):
+            raise ValueError(f"request {root.req_id!r}: duplicate candidates")
+        computed = runner.num_computed(root.req_id)
+        for j, _ in cands:
+            if not 0 <= j <= root.k:
+                raise ValueError(f"request {root.req_id!r}: depth {j} outside 0..{root.k}")
+            if root.context_len + j > computed:
+                raise ValueError(f"request {root.req_id!r}: depth {j} needs {root.context_len + j} tokens of "
+                                 f"KV, {computed} are computed (depth K needs the glue first)")
+    admitted: list[list[Branch]] = [[] for _ in roots]
+    for rank in range(max((len(c) for c in candidates), default=0)):
+        for r, root in enumerate(roots):
+            if rank >= len(candidates[r]) or steps[r] < 1:
+                continue
+            depth, bonus = candidates[r][rank]
+            seq_id = branch_seq_id(root.req_id, depth, bonus)
+            try:
+                runner.fork(root.req_id, seq_id, root.context_len + depth)
+            except OutOfBlocksError:
+                continue
+            try:
+                runner.reserve(seq_id, steps[r])
+            except OutOfBlocksError:
+                runner.free_request(seq_id)
+                continue
+            admitted[r].append(Branch(root.req_id, depth, bonus, seq_id, []))
+    return admitted
+
+
+class BranchRun:
+    """The branches of one round, advanced one batched step at a time, so that a drafter loop can look for
+    an arriving outcome between steps and stop early (`finish` then returns the tokens drafted so far; a
+    branch with s tokens has KV for its first s-1, the same invariant as after all steps).
+
+    `candidates[r]` lists root r's outcomes `(depth, bonus)` in priority order; depth K needs `glue`
+    first. Branches that do not fit in the KV cache are left out (see `_admit`). `num_steps` defaults to
+    each root's K; `propose` chooses the tokens (greedy by default); `keep_logits` keeps each step's
+    logits (the next round's bonus distributions if the branch hits).
+    """
+
+    def __init__(
+        self,
+        runner: DraftModelRunner,
+        roots: Sequence[BranchRoot],
+        candidates: Sequence[Sequence[tuple[int, int]]],
+        num_steps: int | None = None,
+        propose: Propose = greedy,
+        keep_logits: bool = False,
+        vocab_size: int | None = None,
+    ):
+        if len(candidates) != len(roots):
+            raise ValueError(f"{len(roots)} roots but {len(candidates)} candidate lists")
+        if len({r.req_id for r in roots}) != len(roots):
+            raise ValueError("a request appears twice among the roots")
+        self.runner, self.propose, self.keep_logits, self.vocab_size = runner, propose, keep_logits, vocab_size
+        steps = [num_steps if num_steps is not None else r.k for r in roots]
+        groups = _admit(runner, roots, candidates, steps)
+        # (steps wanted, context length, branch), grouped by root
+        self._flat = [(steps[r], roots[r].context_len, b) for r, group in enumerate(groups) for b in group]
+        self._logits: list[list[torch.Tensor]] = [[] for _ in self._flat]
+        self._probs: list[list[torch.Tensor]] = [[] for _ in self._flat]
+        self.steps_done = 0
+
+    @property
+    def done(self) -> bool:
+        return all(self.steps_done >= n for n, _, _ in self._flat)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One `runner.forward` over every branch that wants more tokens."""
+        s = self.steps_done
+        live = [i for i, (n, _, _) in enumerate(self._flat) if s < n]
+        self.steps_done += 1
+        if not live:
+            return
+        chunks = []
+        for i in live:
+            _, ctx_len, b = self._flat[i]
+            chunks.append((b.seq_id, [b.tokens[-1] if s else b.bonus], ctx_len + b.depth + s))
+        logits = self.runner.forward(chunks)
+        if self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        start = 0
+        while start < len(live):  # one propose call per request: its branches are contiguous
+            req_id = self._flat[live[start]][2].req_id
+            end = start
+            while end < len(live) and self._flat[live[end]][2].req_id == req_id:
+                end += 1
+            tokens, probs = self.propose(req_id, logits[start:end])
+            for row, i in enumerate(live[start:end]):
+                self._flat[i][2].tokens.append(int(tokens[row]))
+                if self.keep_logits:
+                    self._logits[i].append(logits[start + row])
+                if probs is not None:
+                    self._probs[i].append(probs[row])
+            start = end
+
+    def finish(self) -> list[Branch]:
+        """The branches (grouped by root, in candidate order), each owning its runner sequence: free it, or
+        `runner.adopt` it on a hit. Branches cut short before their first step have no tokens."""
+        for (_, _, b), lg, pr in zip(self._flat, self._logits, self._probs, strict=True):
+            b.logits = torch.stack(lg) if lg else None
+            b.probs = torch.stack(pr) if pr else None
+        return [b for _, _, b in self._flat]
+
+
+def draft_branches(
+    runner: DraftModelRunner,
+    roots: Sequence[BranchRoot],
+    candidates: Sequence[Sequence[tuple[int, int]]],
+    num_steps: int | None = None,
+    propose: Propose = greedy,
+    keep_logits: bool = False,
+    vocab_size: int | None = None,
+) -> list[Branch]:
+    """All steps of a `BranchRun` at once: `num_steps` tokens (default K) for every admitted candidate."""
+    run = BranchRun(runner, roots, candidates, num_steps, propose, keep_logits, vocab_size)
+    while not run.done:
+        run.step()
+    return run.finish()

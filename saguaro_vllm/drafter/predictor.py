@@ -1,0 +1,181 @@
+"""Outcome prediction for SSD (ssd-algorithm.md §3): which verification outcomes to pre-draft, how many per
+depth, and how many in all.
+
+- `select_candidates`: the top-f_j bonus tokens per depth j, the drafted x_{j+1} excluded for j < K.
+- `allocate_fanout`: f_j ∝ P(a=j)^(1/(1+r)) rounded to the budget M (the hit-maximising shape under a
+  power-law miss rate f^-r).
+- `AcceptanceEstimate` / `OutcomePredictor`: α estimated online from observed accepted counts, one
+  estimate for neural drafts and one for fast backups (random or n-gram tokens are rarely accepted, so
+  after such a miss the budget sits at depth 0 until the estimate learns otherwise).
+- `size_budget`: the widest (then deepest) pre-drafting that finishes within the verification time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: Exponent of the power-law miss rate P(miss | f) = f^-r. A modelling prior (the per-depth hit counters
+#: of the speculation cache can refine it); it only shapes how steeply the fan-out falls with depth.
+DEFAULT_R = 1.0
+
+
+def depth_probs(alpha: float, k: int) -> list[float]:
+    """P(a=j) for j = 0..K under a per-token acceptance α: (1-α)α^j for j < K, α^K at K."""
+    alpha = min(max(alpha, 0.0), 1.0)
+    return [(1 - alpha) * alpha**j for j in range(k)] + [alpha**k]
+
+
+def allocate_fanout(budget: int, alpha: float, k: int, r: float = DEFAULT_R) -> list[int]:
+    """Branches per depth 0..K summing to `budget`: f_j ∝ P(a=j)^(1/(1+r)), largest-remainder rounding
+    (ties to the shallower depth).
+
+    >>> allocate_fanout(8, 0.8, 3, r=1.0)  # weights ~ [.45, .40, .36, .72]
+    [2, 2, 1, 3]
+    """
+    if budget < 0 or k < 0 or r < 0:
+        raise ValueError(f"need budget >= 0, k >= 0, r >= 0; got {budget}, {k}, {r}")
+    weights = [p ** (1.0 / (1.0 + r)) for p in depth_probs(alpha, k)]
+    total = sum(weights)
+    ideal = [budget * w / total for w in weights]
+    fanout = [math.floor(x) for x in ideal]
+    by_remainder = sorted(range(k + 1), key=lambda j: (-(ideal[j] - fanout[j]), j))
+    for j in by_remainder[: budget - sum(fanout)]:
+        fanout[j] += 1
+    return fanout
+
+
+def select_candidates(scores: torch.Tensor, drafts: Sequence[int], fanout: Sequence[int]) -> list[tuple[int, int]]:
+    """Candidate outcomes `(depth j, bonus t)` of one request, in priority order.
+
+    `scores` `[K+1, vocab]`: logits (or probabilities) of the depth-j bonus distributions (see
+    `branches.bonus_distributions`). Depth j < K takes its best f_j tokens other than x_{j+1} (a rejected
+    draft is never the bonus token); depth K excludes nothing. Ties go to the lower token id (as the fused
+    `saguaro_vllm.ops.select_candidates`). Order: every depth's best token first, then every depth's second,
+    and so on, so that dropping from the tail (a full KV cache) loses the least likely outcomes.
+    """
+    k = len(drafts)
+    if scores.shape[0] != k + 1 or len(fanout) != k + 1:
+        raise ValueError(f"K={k} drafts need {k + 1} score rows and fan-outs, got {scores.shape[0]} and "
+                         f"{len(fanout)}")
+    widest = max(fanout, default=0)
+    if widest <= 0:
+        return []
+    order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices[:, : widest + 1].tolist()
+    per_depth = []
+    for j, f in enumerate(fanout):
+        excluded = drafts[j] if j < k else None
+        per_depth.append([t for t in order[j] if t != excluded][:f])
+    return [(j, toks[rank]) for rank in range(widest) for j, toks in enumerate(per_depth) if rank < len(toks)]
+
+
+class AcceptanceEstimate:
+    """α as a ratio of exponentially decayed counts: accepted drafts over drafts the target examined
+    (a accepted, plus the rejected one when a < K). This is the estimator of a geometric acceptance model
+    truncated at K; the prior counts as `prior_weight` rounds of `prior` and fades like any observation."""
+
+    def __init__(self, prior: float = 0.6, prior_weight: float = 4.0, decay: float = 0.95):
+        if not 0.0 <= prior <= 1.0 or prior_weight <= 0 or not 0.0 < decay <= 1.0:
+            raise ValueError(f"bad AcceptanceEstimate({prior}, {prior_weight}, {decay})")
+        self.decay = decay
+        self._accepted = prior * prior_weight
+        self._examined = prior_weight
+
+    @property
+    def alpha(self) -> float:
+        return self._accepted / self._examined
+
+    def observe(self, accepted: int, k: int) -> None:
+        if not 0 <= accepted <= k:
+            raise ValueError(f"accepted must lie in 0..{k}, got {accepted}")
+        self._accepted = self.decay * self._accepted + accepted
+        self._examined = self.decay * self._examined + accepted + (1 if accepted < k else 0)
+
+
+class OutcomePredictor:
+    """Fan-out per depth for a round whose drafts came from the draft model (`fast_backup=False`: a hit or
+    a just-in-time neural backup) or from a fast backup (random / n-gram tokens after a miss)."""
+
+    def __init__(self, r: float = DEFAULT_R, neural: AcceptanceEstimate | None = None,
+                 backup: AcceptanceEstimate | None = None):
+        self.r = r
+        self.neural = neural or AcceptanceEstimate()
+        self.backup = backup or AcceptanceEstimate(prior=0.0)
+
+    def observe(self, accepted: int, k: int, fast_backup: bool = False) -> None:
+        (self.backup if fast_backup else self.neural).observe(accepted, k)
+
+    def fanout(self, budget: int, k: int, fast_backup: bool = False) -> list[int]:
+        alpha = (self.backup if fast_backup else self.neural).alpha
+        return allocate_fanout(budget, alpha, k, self.r)
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """Seconds of one draft forward over `rows` single-token sequences: fixed + per_row * rows."""
+
+    fixed_s: float
+    per_row_s: float
+
+    def step_s(self, rows: int) -> float:
+        return self.fixed_s + self.per_row_s * rows
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, float]]) -> StepCostModel:
+        """Least squares over measured (rows, seconds) pairs; both terms clamped at >= 0."""
+        if not samples:
+            raise ValueError("no timing samples")
+        n = len(samples)
+        mx = sum(x for x, _ in samples) / n
+        my = sum(y for _, y in samples) / n
+        var = sum((x - mx) ** 2 for x, _ in samples)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in samples) / var) if var else 0.0
+        return cls(max(0.0, my - slope * mx), slope)
+
+
+@dataclass(frozen=True)
+class PreDraftPlan:
+    branches: int  # M per request; 0: pre-drafting cannot finish in time, do not pre-draft
+    steps: int  # draft tokens per branch (K, or fewer when time is short)
+
+
+def size_budget(verify_s: float, cost: StepCostModel, batch_size: int, k: int, max_branches: int = 64) -> PreDraftPlan:
+    """The largest pre-drafting that finishes while the target verifies: one glue step over the batch,
+    then `steps` steps over `batch_size * branches` rows.
+
+    Widest first at full depth K; if not even one branch per depth (K+1) fits K steps, the depth shrinks
+    to the deepest that fits K+1 branches (widened again as far as time allows); if none does, no plan.
+
+    Worked example: K=4, batch 4, steps cost 2 ms + 0.1 ms per row (glue: 2.4 ms).
+    Verification 30 ms: M=12 takes 2.4 + 4 x (2 + 4.8) = 29.6 ms, M=13 takes 31.2 ms -> 12 branches, 4 steps.
+    Verification 12.5 ms: 5 branches x 4 steps take 18.4 ms, x 3 steps 14.4 ms; x 2 steps fit, and widen
+    to M=7 (2.4 + 2 x 4.8 = 12.0 ms; M=8 takes 12.8) -> 7 branches, 2 steps.
+
+    >>> size_budget(0.030, StepCostModel(0.002, 0.0001), batch_size=4, k=4)
+    PreDraftPlan(branches=12, steps=4)
+    >>> size_budget(0.0125, StepCostModel(0.002, 0.0001), batch_size=4, k=4)
+    PreDraftPlan(branches=7, steps=2)
+    """
+    if batch_size < 1 or k < 1 or max_branches < 1:
+        raise ValueError(f"need batch_size, k, max_branches >= 1; got {batch_size}, {k}, {max_branches}")
+    glue_s = cost.step_s(batch_size)
+
+    def widest(steps: int) -> int:
+        lo, hi = 0, max_branches  # largest m in 0..max_branches with the plan in time (cost rises with m)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if glue_s + steps * cost.step_s(batch_size * mid) <= verify_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    need = min(k + 1, max_branches)
+    for steps in range(k, 0, -1):
+        m = widest(steps)
+        if m >= need:
+            return PreDraftPlan(m, steps)
+    return PreDraftPlan(0, 0)

@@ -1,0 +1,157 @@
+"""Outcome prediction: the candidate exclusion rule and order, the geometric fan-out rounded to the budget,
+the acceptance estimate, the allocation after a fast-backup miss, and sizing the budget from timings."""
+
+from __future__ import annotations
+
+import doctest
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+import saguaro_vllm.drafter.predictor as predictor_module
+from saguaro_vllm.drafter.predictor import (
+    AcceptanceEstimate,
+    OutcomePredictor,
+    PreDraftPlan,
+    StepCostModel,
+    allocate_fanout,
+    depth_probs,
+    select_candidates,
+    size_budget,
+)
+
+
+def test_doctests():
+    assert doctest.testmod(predictor_module).failed == 0
+
+
+def test_candidates_exclude_the_drafted_token_below_depth_k():
+    scores = torch.tensor([
+        [0.0, 5.0, 4.0, 9.0, 1.0, 0.0],  # depth 0: x1 = 3 is the best, excluded
+        [7.0, 7.0, 2.0, 1.0, 0.0, 8.0],  # depth 1: x2 = 5 is the best, excluded; 0 and 1 tie -> 0 first
+        [0.0, 0.0, 0.0, 9.0, 0.0, 1.0],  # depth K = 2: nothing excluded, even a drafted token
+    ])
+    cands = select_candidates(scores, drafts=[3, 5], fanout=[2, 2, 2])
+    assert cands == [(0, 1), (1, 0), (2, 3), (0, 2), (1, 1), (2, 5)]  # every depth's best first
+    assert select_candidates(scores, [3, 5], [0, 1, 0]) == [(1, 0)]
+    assert select_candidates(scores, [3, 5], [0, 0, 0]) == []
+    everything = select_candidates(scores, [3, 5], [9, 9, 9])  # wider than the vocabulary
+    by_depth = [[t for j, t in everything if j == d] for d in range(3)]
+    assert sorted(by_depth[0]) == [0, 1, 2, 4, 5] and sorted(by_depth[1]) == [0, 1, 2, 3, 4]
+    assert sorted(by_depth[2]) == list(range(6))
+    with pytest.raises(ValueError, match="K=2 drafts need 3"):
+        select_candidates(scores, [3, 5], [1, 1])
+
+
+def test_candidates_never_contain_a_rejected_token_random():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        scores = torch.randn(k + 1, 50, generator=g)
+        drafts = scores[:k].argmax(-1).tolist()  # the greedy drafts: always the top token
+        fanout = torch.randint(0, 4, (k + 1,), generator=g).tolist()
+        cands = select_candidates(scores, drafts, fanout)
+        assert all(t != drafts[j] for j, t in cands if j < k)
+        for j in range(k + 1):
+            toks = [t for d, t in cands if d == j]
+            assert len(toks) == fanout[j] and len(set(toks)) == len(toks)
+            assert toks == sorted(toks, key=lambda t: -scores[j, t])
+
+
+@pytest.mark.parametrize("r", [0.0, 0.5, 1.0, 3.0])
+def test_fanout_sums_to_the_budget_and_rounds_by_largest_remainder(r):
+    for budget, alpha, k in itertools.product([0, 1, 2, 5, 7, 16, 63], [0.0, 0.1, 0.5, 0.8, 0.97, 1.0], [1, 3, 6]):
+        f = allocate_fanout(budget, alpha, k, r)
+        assert len(f) == k + 1 and sum(f) == budget and min(f) >= 0
+        w = [p ** (1 / (1 + r)) for p in depth_probs(alpha, k)]
+        ideal = [budget * x / sum(w) for x in w]
+        assert all(math.floor(x) <= n <= math.floor(x) + 1 for x, n in zip(ideal, f, strict=True))
+
+
+def test_fanout_has_the_geometric_shape():
+    alpha, r, k, budget = 0.8, 1.0, 5, 10_000
+    f = allocate_fanout(budget, alpha, k, r)
+    ratio = alpha ** (1 / (1 + r))
+    for j in range(k - 1):  # f_j = f_0 alpha^(j/(1+r)) below K
+        assert f[j + 1] / f[j] == pytest.approx(ratio, rel=1e-3)
+    # ... and the larger last term f_K = f_0 alpha^(K/(1+r)) (1-alpha)^(-1/(1+r))
+    assert f[k] / f[0] == pytest.approx(alpha ** (k / (1 + r)) * (1 - alpha) ** (-1 / (1 + r)), rel=1e-3)
+    assert f[k] > f[k - 1]
+    assert allocate_fanout(9, 0.0, 4) == [9, 0, 0, 0, 0]
+    assert allocate_fanout(9, 1.0, 4) == [0, 0, 0, 0, 9]
+    # A weaker draft moves the budget towards depth 0.
+    assert allocate_fanout(12, 0.3, 4)[0] > allocate_fanout(12, 0.9, 4)[0]
+    with pytest.raises(ValueError):
+        allocate_fanout(-1, 0.5, 3)
+
+
+def test_acceptance_estimate():
+    est = AcceptanceEstimate(prior=0.6, prior_weight=4.0, decay=1.0)
+    assert est.alpha == pytest.approx(0.6)
+    for a in [4, 0, 2]:  # K=4: examined 4, 1, 3 drafts; accepted 4, 0, 2
+        est.observe(a, 4)
+    assert est.alpha == pytest.approx((2.4 + 6) / (4 + 8))
+    with pytest.raises(ValueError):
+        est.observe(5, 4)
+
+    rng = random.Random(0)
+    for true_alpha in [0.3, 0.85]:
+        est = AcceptanceEstimate(decay=0.995)
+        for _ in range(3000):
+            a = 0
+            while a < 5 and rng.random() < true_alpha:
+                a += 1
+            est.observe(a, 5)
+        assert est.alpha == pytest.approx(true_alpha, abs=0.04)
+
+
+def test_after_a_fast_backup_the_budget_sits_at_depth_0_until_backups_get_accepted():
+    pred = OutcomePredictor()
+    assert pred.fanout(8, 4, fast_backup=True) == [8, 0, 0, 0, 0]
+    neural = pred.fanout(8, 4)
+    assert sum(neural) == 8 and neural[0] < 8 and neural[4] > 0
+    for _ in range(50):  # n-gram backups that the target keeps accepting
+        pred.observe(4, 4, fast_backup=True)
+    assert pred.fanout(8, 4, fast_backup=True)[0] < 8
+    assert pred.fanout(8, 4) == neural  # the neural estimate is separate
+
+
+def test_size_budget_fits_and_is_maximal():
+    cost = StepCostModel(0.002, 0.0001)
+    plans = []
+    for verify_ms in range(120):
+        verify_s = verify_ms / 1000
+        plan = size_budget(verify_s, cost, batch_size=4, k=4, max_branches=32)
+        plans.append((plan.steps, plan.branches))
+
+        def takes(m, s):
+            return cost.step_s(4) + s * cost.step_s(4 * m)
+
+        if plan.branches == 0:
+            assert takes(5, 1) > verify_s  # not even one step of one branch per depth
+            continue
+        assert takes(plan.branches, plan.steps) <= verify_s
+        if plan.branches < 32:
+            assert takes(plan.branches + 1, plan.steps) > verify_s
+        if plan.steps < 4:
+            assert takes(5, plan.steps + 1) > verify_s  # depth shrinks only when K+1 branches do not fit
+        assert plan.branches >= 5
+    assert plans == sorted(plans)  # more time never plans less
+    assert plans[0] == (0, 0) and plans[-1] == (4, 32)  # nothing fits / capped by max_branches
+
+
+def test_size_budget_without_per_row_cost_uses_the_cap():
+    assert size_budget(0.01, StepCostModel(0.001, 0.0), 8, 4, max_branches=16) == PreDraftPlan(16, 4)
+    assert size_budget(0.001, StepCostModel(0.001, 0.0), 8, 4) == PreDraftPlan(0, 0)
+
+
+def test_step_cost_model_fit():
+    samples = [(rows, 0.0015 + 0.00002 * rows) for rows in (1, 8, 32, 64)]
+    fit = StepCostModel.fit(samples)
+    assert fit.fixed_s == pytest.approx(0.0015) and fit.per_row_s == pytest.approx(0.00002)
+    assert StepCostModel.fit([(4, 0.003), (4, 0.005)]) == StepCostModel(0.004, 0.0)
+    with pytest.raises(ValueError):
+        StepCostModel.fit([])
