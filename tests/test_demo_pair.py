@@ -18,12 +18,12 @@ from saguaro_vllm import cli
 from saguaro_vllm.demo import build, pipeline
 from saguaro_vllm.demo.corpus import Corpus, CorpusError
 from saguaro_vllm.demo.model import ModelShape
-from saguaro_vllm.demo.storage import MARKER, DemoPairError, read_marker
+from saguaro_vllm.demo.storage import DemoPairError, read_marker
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(minutes=0.1, seed=3, target_scale="4M", draft_scale="2M")
-SHRINK = dict(AGREEMENT_PROMPTS=8, CONTINUATION=32, HELDOUT_EVAL_TOKENS=4096, HELDOUT_PROMPTS=16)
+TINY = {"minutes": 0.1, "seed": 3, "target_scale": "4M", "draft_scale": "2M"}
+SHRINK = {"AGREEMENT_PROMPTS": 8, "CONTINUATION": 32, "HELDOUT_EVAL_TOKENS": 4096, "HELDOUT_PROMPTS": 16}
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_cost_matched_model_equals_trained(pair, name):
     ids = _prompt_ids(pair)
     with torch.no_grad():
         torch.testing.assert_close(big(input_ids=ids).logits, small(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
-        kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+        kw = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
         assert torch.equal(small.generate(ids, **kw), big.generate(ids, **kw))
 
 
@@ -192,5 +192,10 @@ def test_vllm_generates_from_target(pair, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     vllm = pytest.importorskip("vllm")
     llm = vllm.LLM(model=str(pair.target), enforce_eager=True, max_model_len=256, dtype="float32")
-    out = llm.generate([pair.heldout_prompts(1)[0]], vllm.SamplingParams(temperature=0.0, max_tokens=16))
+    try:
+        out = llm.generate([pair.heldout_prompts(1)[0]], vllm.SamplingParams(temperature=0.0, max_tokens=16))
+        chat = llm.chat([{"role": "user", "content": "print hello"}], vllm.SamplingParams(max_tokens=8))
+    finally:  # stop the engine processes now, not at interpreter exit after pytest closed its streams
+        llm.llm_engine.engine_core.shutdown()
     assert len(out[0].outputs[0].token_ids) == 16 and out[0].outputs[0].text
+    assert chat[0].prompt.endswith("# assistant:\n") and chat[0].outputs[0].token_ids
