@@ -140,17 +140,26 @@ def test_corrupt_cache_is_rebuilt_deterministically(pair, tiny_corpus, shrink, t
 
 
 def test_bad_out_is_explained(tmp_path, tiny_corpus):
+    fast = {"corpus": tiny_corpus, "minutes": 0.05}  # should a check regress, fail fast rather than train
     with pytest.raises(DemoPairError, match=r"does not exist; create it first"):
-        build.ensure_demo_pair(tmp_path / "no" / "such" / "dir", corpus=tiny_corpus)
+        build.ensure_demo_pair(tmp_path / "no" / "such" / "dir", **fast)
     (tmp_path / "file").write_text("x")
     with pytest.raises(DemoPairError, match="is not a directory"):
-        build.ensure_demo_pair(tmp_path / "file", corpus=tiny_corpus)
+        build.ensure_demo_pair(tmp_path / "file", **fast)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(DemoPairError, match="refusing to overwrite"):
-        build.ensure_demo_pair(tmp_path / "mine", corpus=tiny_corpus)
+        build.ensure_demo_pair(tmp_path / "mine", **fast)
     with pytest.raises(DemoPairError, match="cannot write to /sys"):
-        build.ensure_demo_pair("/sys/saguaro-demo", corpus=tiny_corpus)
+        build.ensure_demo_pair("/sys/saguaro-demo", **fast)
+    with pytest.raises(DemoPairError, match="is below the trained model"):  # before any training
+        build.ensure_demo_pair(tmp_path / "new", **fast, target_scale="1M")
+    with pytest.raises(DemoPairError, match="cannot hold the trained"):
+        narrow = "hidden=128,layers=2,heads=2,intermediate=512"
+        build.ensure_demo_pair(tmp_path / "new", **fast, target_scale=narrow)
+    with pytest.raises(DemoPairError, match="bad parameter count"):
+        build.ensure_demo_pair(tmp_path / "new", **fast, draft_scale="lots")
+    assert not (tmp_path / "new").exists()
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
@@ -159,7 +168,8 @@ def test_cli_reports_bad_input(tmp_path, capsys):
     assert cli.main(["make-demo-pair", "--out", str(bad), "--no-cost-matched"]) == 2
     err = capsys.readouterr().err
     assert str(bad.parent) in err and "mkdir -p" in err
-    assert cli.main(["make-demo-pair", "--out", str(tmp_path / "x"), "--corpus", str(tmp_path / "nope")]) == 2
+    args = ["--out", str(tmp_path / "x"), "--corpus", str(tmp_path / "nope"), "--minutes", "0.05", "--no-cost-matched"]
+    assert cli.main(["make-demo-pair", *args]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "nope") in err and "--corpus" in err
     assert not (tmp_path / "x").exists(), "a failed build must not leave an output directory"

@@ -29,13 +29,14 @@ from .model import ModelShape
 from .storage import (
     DemoPairError,
     check_writable_parent,
+    free_bytes,
     read_marker,
     staging_dir,
     write_json_atomic,
     write_marker,
 )
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 1  # bump when a build's outputs change for the same settings
 TARGET_SHAPE = ModelShape(hidden=192, layers=2, heads=3, kv_heads=3, intermediate=512)
 DRAFT_SHAPE = ModelShape(hidden=128, layers=1, heads=2, kv_heads=2, intermediate=344)
 DEFAULT_MINUTES = 8.0
@@ -140,6 +141,8 @@ def ensure_demo_pair(
         out = root / f"demo-pair-{key}"
     out = Path(out).expanduser().absolute()
     check_writable_parent(out)
+    if cost_matched:  # fail on a bad scale or a full disk now, not after minutes of training
+        _check_cost_matched(out, settings, target_scale, draft_scale)
 
     with FileLock(str(out.parent / f".{out.name}.lock")), _torch_threads(threads):
         marker, why = read_marker(out)
@@ -158,6 +161,31 @@ def ensure_demo_pair(
         if cost_matched:
             pair = _ensure_cost_matched(pair, key, target_scale, draft_scale, log)
     return pair
+
+
+def _check_cost_matched(out: Path, settings: BuildSettings, target_scale: str, draft_scale: str) -> None:
+    """Validate the scales, and if the models must be written, that the disk can hold them."""
+    from .cost_match import parse_scale
+
+    vocab = settings.vocab_size
+    try:
+        shapes = [parse_scale(target_scale, settings.target_shape, vocab),
+                  parse_scale(draft_scale, settings.draft_shape, vocab)]
+    except ValueError as e:
+        raise DemoPairError(f"{e}; fix --target-scale / --draft-scale or pass --no-cost-matched") from None
+    try:
+        have = json.loads((out / "stats.json").read_text()).get("cost_matched", {})
+    except (OSError, ValueError):
+        have = {}
+    if have.get("target_scale") == target_scale and have.get("draft_scale") == draft_scale:
+        return  # already written (validity is checked under the lock)
+    need = sum(4 * shape.param_count(vocab) for shape in shapes)  # fp32
+    free = free_bytes(out.parent)
+    if free < 1.1 * need:
+        raise DemoPairError(
+            f"the cost-matched models need {need / 1e9:.1f} GB but {out.parent} has {free / 1e9:.1f} GB free; "
+            "free space, pass smaller --target-scale/--draft-scale, or --no-cost-matched"
+        )
 
 
 @contextmanager

@@ -60,7 +60,14 @@ def cost_shape(real: ModelShape, params: int, vocab: int) -> ModelShape:
 
 def parse_scale(spec: str, real: ModelShape, vocab: int) -> ModelShape:
     """A cost scale is a parameter count (`400M`) or an explicit shape (`hidden=1024,layers=16,...`)."""
-    shape = ModelShape.parse(spec) if "=" in spec else cost_shape(real, parse_param_count(spec), vocab)
+    if "=" in spec:
+        shape = ModelShape.parse(spec)
+    else:
+        params = parse_param_count(spec)
+        if params < real.param_count(vocab):
+            raise ValueError(f"cost scale {spec!r} is below the trained model's "
+                             f"{real.param_count(vocab) / 1e6:.2f}M parameters")
+        shape = cost_shape(real, params, vocab)
     too_small = [f for f, v in real.as_dict().items() if getattr(shape, f) < v]
     if too_small or shape.heads // shape.kv_heads != real.heads // real.kv_heads:
         raise ValueError(

@@ -75,6 +75,7 @@ def distill_batches(
 @dataclass
 class Agreement:
     per_token: float  # P(draft argmax == target greedy token | target greedy context)
+    stderr: float  # standard error of per_token over prompts (tokens of one continuation are correlated)
     mean_accept_len: float  # simulated greedy SD: tokens per target step (accepted + bonus) at lookahead k
     k: int
     tokens: int
@@ -103,4 +104,6 @@ def measure_agreement(draft: torch.nn.Module, seqs: torch.Tensor, prompt_len: in
             window = row[pos : pos + k]
             accepted = k if window.all() else int(np.argmin(window))
             rounds, produced, pos = rounds + 1, produced + accepted + 1, pos + accepted + 1
-    return Agreement(float(match.mean()), produced / max(1, rounds), k, int(match.size))
+    per_prompt = match.mean(axis=1)
+    stderr = float(per_prompt.std(ddof=1) / np.sqrt(len(per_prompt))) if len(per_prompt) > 1 else float("nan")
+    return Agreement(float(match.mean()), stderr, produced / max(1, rounds), k, int(match.size))

@@ -145,7 +145,8 @@ def build_pair(out: Path, settings, corpus: Corpus, log) -> dict:
                   "heldout_loss_before_distill": round(draft_loss_before, 4),
                   "heldout_loss": round(heldout_loss(draft, heldout_ids, SEQ, HELDOUT_EVAL_TOKENS), 4)},
         "distill": {"sequences": n_seqs, "prompt_tokens": PROMPT_LEN, "generated_tokens": n_seqs * CONTINUATION},
-        "agreement": {"per_token": round(after.per_token, 4), "mean_accept_len": round(after.mean_accept_len, 3),
+        "agreement": {"per_token": round(after.per_token, 4), "per_token_stderr": round(after.stderr, 4),
+                      "mean_accept_len": round(after.mean_accept_len, 3),
                       "k": after.k, "tokens": after.tokens, "prompts": AGREEMENT_PROMPTS,
                       "before_distill": {"per_token": round(before.per_token, 4),
                                          "mean_accept_len": round(before.mean_accept_len, 3)}},
@@ -165,8 +166,10 @@ def build_pair(out: Path, settings, corpus: Corpus, log) -> dict:
 
 def summary(stats: dict) -> str:
     t, d, a = stats["target"], stats["draft"], stats["agreement"]
+    stderr = f" +- {a['per_token_stderr']:.3f}" if "per_token_stderr" in a else ""  # absent in older builds
     return (f"held-out loss: target {t['heldout_loss']:.3f}, draft {d['heldout_loss']:.3f} nats/token; "
-            f"greedy agreement {a['per_token']:.3f} (before distillation {a['before_distill']['per_token']:.3f}), "
+            f"greedy agreement {a['per_token']:.3f}{stderr} "
+            f"(before distillation {a['before_distill']['per_token']:.3f}), "
             f"mean accepted length at K={a['k']}: {a['mean_accept_len']:.2f}")
 
 
@@ -191,17 +194,12 @@ def build_cost_matched(root: Path, stats: dict, target_scale: str, draft_scale: 
     from tokenizers import Tokenizer
 
     from .cost_match import decode_step_seconds, parse_scale, write_cost_matched
-    from .storage import DemoPairError, free_bytes, staging_dir
+    from .storage import staging_dir
 
     vocab = stats["tokenizer"]["vocab_size"]
     real = {n: ModelShape(**stats[n]["shape"]) for n in ("target", "draft")}
     big = {"target": parse_scale(target_scale, real["target"], vocab),
            "draft": parse_scale(draft_scale, real["draft"], vocab)}
-    need = sum(4 * s.param_count(vocab) for s in big.values())
-    if free_bytes(root) < 1.1 * need:
-        raise DemoPairError(f"cost-matched models need {need / 1e9:.1f} GB but {root} has "
-                            f"{free_bytes(root) / 1e9:.1f} GB free; free space, pass smaller --target-scale/"
-                            "--draft-scale, or --no-cost-matched")
     tok = Tokenizer.from_file(str(root / "target" / "tokenizer.json"))
     texts = json.loads((root / "heldout.json").read_text())["prompts"][:4]
     length = min(len(tok.encode(t).ids) for t in texts)
