@@ -20,6 +20,7 @@ from .corpus import Corpus, snippets
 from .distill import (
     distill_batches,
     generate_distill_set,
+    greedy_continue,
     measure_agreement,
     reference_continuations,
     sample_prompts,
@@ -183,8 +184,6 @@ def _load(path: Path):
 def _compare(small, big, prompts: torch.Tensor, new_tokens: int) -> dict:
     """Max |logit difference| on `prompts` and whether greedy continuations are identical."""
     diff = (small(input_ids=prompts).logits - big(input_ids=prompts).logits).abs().max().item()
-    from .distill import greedy_continue
-
     same = bool(torch.equal(greedy_continue(small, prompts, new_tokens), greedy_continue(big, prompts, new_tokens)))
     return {"max_abs_logit_diff": diff, "greedy_identical": same}
 
