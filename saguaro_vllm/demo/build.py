@@ -39,7 +39,7 @@ from .storage import (
 BUILDER_VERSION = 1  # bump when a build's outputs change for the same settings
 TARGET_SHAPE = ModelShape(hidden=192, layers=2, heads=3, kv_heads=3, intermediate=512)
 DRAFT_SHAPE = ModelShape(hidden=128, layers=1, heads=2, kv_heads=2, intermediate=344)
-DEFAULT_MINUTES = 8.0
+DEFAULT_MINUTES = 6.5
 DEFAULT_TARGET_SCALE = "400M"
 DEFAULT_DRAFT_SCALE = "50M"
 
