@@ -15,7 +15,7 @@ import os
 import pathlib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PROPOSER_CLASS = "saguaro_vllm.proposer.SaguaroProposer"
 ADDITIONAL_CONFIG_KEY = "saguaro"
@@ -70,12 +70,72 @@ class SaguaroOptions(BaseModel):
     )
     startup_timeout_s: float = Field(600.0, description="How long to wait for the drafter process to load.")
     log_interval_s: float = Field(10.0, description="Seconds between Saguaro log lines (0 disables).")
+    fanout: list[int] | None = Field(
+        None,
+        description="`async` only: fixed fan-out per accepted depth 0..K (K+1 numbers: how many bonus "
+        "tokens to pre-draft for \"exactly j drafts accepted\"). Default: computed online from the measured "
+        "acceptance rate (geometric allocation) and sized to finish before the verification returns.",
+    )
+    fanout_budget: int | None = Field(
+        None,
+        description="`async` only: fixed number of pre-drafted branches per request and round (the fan-out "
+        "is spread over the depths automatically). Default: sized from measured drafter step and "
+        "verification times. Ignored when `fanout` is set.",
+    )
+    max_fanout_budget: int = Field(
+        32, description="`async` only: upper bound of the automatically sized branches per request and round."
+    )
+    miss_fanout: list[int] | None = Field(
+        None,
+        description="`async` only: fixed fan-out per depth (K+1 numbers) for rounds whose drafts came from "
+        "the n-gram backup. Default: computed online from the backup's own acceptance estimate.",
+    )
+    backup: Literal["auto", "jit", "ngram"] = Field(
+        "auto",
+        description="`async` only: what a speculation-cache miss gets. `jit`: the drafter drafts K tokens "
+        "now (on the critical path). `ngram`: drafts copied from an earlier occurrence of the context's "
+        "last tokens (nearly free, rarely accepted). `auto`: per step, whichever the measured timings, "
+        "hit rate, acceptance and batch size say yields more tokens per second (docs/algorithm.md).",
+    )
+    finish_predraft: bool = Field(
+        False,
+        description="`async` only: when an outcome arrives before pre-drafting is done, `false` cuts it "
+        "short (branches drafted so far are cached; a hit on a short branch is completed on the spot), "
+        "`true` finishes every branch first.",
+    )
+    sampling_scale: float = Field(
+        1.0,
+        description="`async` only, temperature > 0: Saguaro sampling's C in [0, 1]: the draft samples from "
+        "its distribution with the top-F probabilities (F = that depth's fan-out) multiplied by C, which "
+        "raises the cache hit rate and lowers acceptance. 1 disables it. Output stays exact for any C.",
+    )
 
     @field_validator("block_size")
     @classmethod
     def _block_size(cls, v: int) -> int:
         if v not in (8, 16, 32, 64, 128):
             raise ValueError("must be one of 8, 16, 32, 64, 128")
+        return v
+
+    @field_validator("sampling_scale")
+    @classmethod
+    def _scale(cls, v: float) -> float:
+        if not 0.0 <= v <= 1.0:
+            raise ValueError("must lie in [0, 1] (1 disables Saguaro sampling)")
+        return v
+
+    @field_validator("fanout_budget", "max_fanout_budget")
+    @classmethod
+    def _budget(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= 256:
+            raise ValueError("must be between 1 and 256")
+        return v
+
+    @field_validator("fanout", "miss_fanout")
+    @classmethod
+    def _fanout(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (any(f < 0 for f in v) or sum(v) < 1 or sum(v) > 256):
+            raise ValueError("needs K+1 non-negative numbers summing to 1..256")
         return v
 
     @field_validator("kv_cache_gb", "step_timeout_s", "startup_timeout_s")
@@ -119,12 +179,26 @@ class SaguaroConfig(BaseModel):
             raise ValueError(f"must be between 1 and {MAX_SPECULATIVE_TOKENS}")
         return v
 
+    @model_validator(mode="after")
+    def _fanout_lengths(self) -> SaguaroConfig:
+        k = self.num_speculative_tokens
+        for name in ("fanout", "miss_fanout"):
+            value = getattr(self.saguaro, name)
+            if value is not None and len(value) != k + 1:
+                raise ValueError(
+                    f"saguaro.{name} needs K+1 = {k + 1} numbers (one per accepted depth 0..{k}), got "
+                    f"{len(value)}: give {k + 1} numbers or remove it for the automatic fan-out"
+                )
+        return self
+
 
 def _format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
+        field = ".".join(str(p) for p in e["loc"])
+        if not field:  # a check across fields: its message names them
+            lines.append(f"speculative_config.{e['msg'].removeprefix('Value error, ')}")
+        elif e["type"] == "extra_forbidden":
             owner = SaguaroOptions if len(e["loc"]) > 1 else SaguaroConfig
             allowed = ", ".join(owner.model_fields)
             lines.append(f"speculative_config.{field}: unknown key. Allowed keys here: {allowed}.")

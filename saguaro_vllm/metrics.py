@@ -45,6 +45,29 @@ def _prometheus() -> dict:
             "free_blocks": prometheus_client.Gauge(
                 "vllm:saguaro_drafter_free_kv_blocks", "Free blocks of the drafter's paged KV cache.",
                 multiprocess_mode="livesum"),
+            "lookups": prometheus_client.Counter(
+                "vllm:saguaro_cache_lookups",
+                "Speculation-cache lookups (mode async), by the accepted count of the outcome looked up "
+                "(depth='none': not one outcome, e.g. a skipped step).", labelnames=["depth"]),
+            "hits": prometheus_client.Counter(
+                "vllm:saguaro_cache_hits",
+                "Speculation-cache hits (mode async), by the accepted count of the outcome.",
+                labelnames=["depth"]),
+            "backups": prometheus_client.Counter(
+                "vllm:saguaro_backups", "Cache misses answered by a backup (mode async), by kind (jit, ngram).",
+                labelnames=["kind"]),
+            "budget": prometheus_client.Gauge(
+                "vllm:saguaro_fanout_budget",
+                "Pre-drafted branches per request planned in the last round (mode async).",
+                multiprocess_mode="livemax"),
+            "predraft": prometheus_client.Histogram(
+                "vllm:saguaro_predraft_seconds",
+                "Drafter time spent pre-drafting one round (mode async); compare with verify_seconds.",
+                buckets=STEP_BUCKETS),
+            "verify": prometheus_client.Histogram(
+                "vllm:saguaro_verify_seconds",
+                "Time between the drafter's answer and the next request: the target's verification as the "
+                "drafter sees it (mode async).", buckets=STEP_BUCKETS),
             "failures": prometheus_client.Counter(
                 "vllm:saguaro_drafter_failures",
                 "Steps in which the drafter could not answer (no drafts proposed; outputs unaffected)."),
@@ -60,11 +83,19 @@ class SaguaroMetrics:
         self.interval = float(cfg.get("saguaro", {}).get("log_interval_s", 10.0))
         self.steps = self.rows = self.draft_tokens = self.failures = self.live_requests = 0
         self.round_trip_s = self.compute_s = 0.0
+        self.lookups = self.hits = 0
+        self.lookups_by_depth: dict[str, int] = {}
+        self.hits_by_depth: dict[str, int] = {}
+        self.backups: dict[str, int] = {"jit": 0, "ngram": 0}
+        self.predraft_s = self.verify_s = 0.0
+        self.predraft_rounds = self.predraft_done = 0
+        self.budget = 0
         self._last_log = time.monotonic()
-        self._window = [0, 0.0, 0.0, 0]  # steps, round trip, compute, draft tokens since last log
+        self._window = [0, 0.0, 0.0, 0, 0, 0]  # steps, round trip, compute, draft tokens, lookups, hits
 
     def on_step(self, round_trip_s: float, compute_s: float, rows: int, draft_tokens: int,
-                live_requests: int = 0, free_blocks: int = 0) -> None:
+                live_requests: int = 0, free_blocks: int = 0, row_status: list[str] | None = None,
+                row_depth: list[int] | None = None, ssd: dict | None = None) -> None:
         self.steps += 1
         self.live_requests = live_requests
         self.rows += rows
@@ -83,7 +114,42 @@ class SaguaroMetrics:
             self.prom["draft_tokens"].inc(draft_tokens)
             self.prom["requests"].set(live_requests)
             self.prom["free_blocks"].set(free_blocks)
+        if row_status:
+            self._on_ssd(row_status, row_depth or [-1] * len(row_status), ssd or {})
         self._maybe_log()
+
+    def _on_ssd(self, row_status: list[str], row_depth: list[int], ssd: dict) -> None:
+        """Cache lookups and hits per depth, backups, and the pre-draft vs verification timings."""
+        prom = self.prom or {}
+        for status, depth in zip(row_status, row_depth):
+            if status not in ("hit", "jit", "ngram"):
+                continue  # new requests and rows without drafts have no round to look up
+            label = str(depth) if depth >= 0 else "none"
+            self.lookups += 1
+            self._window[4] += 1
+            self.lookups_by_depth[label] = self.lookups_by_depth.get(label, 0) + 1
+            if prom:
+                prom["lookups"].labels(depth=label).inc()
+            if status == "hit":
+                self.hits += 1
+                self._window[5] += 1
+                self.hits_by_depth[label] = self.hits_by_depth.get(label, 0) + 1
+                if prom:
+                    prom["hits"].labels(depth=label).inc()
+            else:
+                self.backups[status] += 1
+                if prom:
+                    prom["backups"].labels(kind=status).inc()
+        if ssd.get("budget"):
+            self.budget = int(ssd["budget"])
+            self.predraft_rounds += 1
+            self.predraft_done += int(bool(ssd.get("predraft_done")))
+            self.predraft_s += float(ssd.get("predraft_s", 0.0))
+            self.verify_s += float(ssd.get("verify_s", 0.0))
+            if prom:
+                prom["budget"].set(self.budget)
+                prom["predraft"].observe(float(ssd.get("predraft_s", 0.0)))
+                prom["verify"].observe(float(ssd.get("verify_s", 0.0)))
 
     def on_failure(self, reason: str) -> None:
         self.failures += 1
@@ -96,17 +162,26 @@ class SaguaroMetrics:
         now = time.monotonic()
         if self.interval <= 0 or now - self._last_log < self.interval:
             return
-        steps, rt, comp, toks = self._window
+        steps, rt, comp, toks, lookups, hits = self._window
+        ssd = ""
+        if lookups:
+            ssd = (f", cache hit rate: {hits / lookups:.2f} ({lookups} lookups), fan-out budget: {self.budget}, "
+                   f"backups jit/ngram: {self.backups['jit']}/{self.backups['ngram']}")
         self.logger.info(
             "Saguaro metrics: drafter steps: %d, mean step time: %.2f ms (drafter compute %.2f ms), "
-            "draft tokens per step: %.2f, requests held by the drafter: %d, drafter failures: %d",
-            steps, 1e3 * rt / steps, 1e3 * comp / steps, toks / steps, self.live_requests, self.failures,
+            "draft tokens per step: %.2f, requests held by the drafter: %d, drafter failures: %d%s",
+            steps, 1e3 * rt / steps, 1e3 * comp / steps, toks / steps, self.live_requests, self.failures, ssd,
         )
-        self._window = [0, 0.0, 0.0, 0]
+        self._window = [0, 0.0, 0.0, 0, 0, 0]
         self._last_log = now
 
     def snapshot(self) -> dict:
         return {
             "steps": self.steps, "rows": self.rows, "draft_tokens": self.draft_tokens,
             "failures": self.failures, "round_trip_s": self.round_trip_s, "compute_s": self.compute_s,
+            "lookups": self.lookups, "hits": self.hits, "hit_rate": self.hits / self.lookups if self.lookups else 0.0,
+            "lookups_by_depth": dict(self.lookups_by_depth), "hits_by_depth": dict(self.hits_by_depth),
+            "backups": dict(self.backups), "fanout_budget": self.budget,
+            "predraft_s": self.predraft_s, "verify_s": self.verify_s, "predraft_rounds": self.predraft_rounds,
+            "predraft_done": self.predraft_done,
         }

@@ -130,7 +130,8 @@ class SaguaroProposer:
         if resp.probs:
             self._last_probs = self._dense_probs(drafts, row_index, resp.probs)
         self.metrics.on_step(time.perf_counter() - t0, resp.compute_s, len(rows),
-                             sum(len(d) for d in drafts), resp.live_requests, resp.free_blocks)
+                             sum(len(d) for d in drafts), resp.live_requests, resp.free_blocks,
+                             resp.row_status, resp.row_depth, resp.ssd)
         return drafts
 
     def _dense_probs(self, drafts: list[list[int]], row_index: list[int],

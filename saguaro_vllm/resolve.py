@@ -161,11 +161,6 @@ def resolve_device(cfg: SaguaroConfig, is_cpu_platform: bool, tp_size: int) -> s
 def resolve_for_engine(cfg: SaguaroConfig, target_model_config: Any, tp_size: int,
                        is_cpu_platform: bool) -> dict[str, Any]:
     """Everything the proposer and drafter need, as a plain JSON-able dict; sets the target's CPU binding."""
-    if cfg.saguaro.mode == "async":
-        raise SaguaroConfigError(
-            "speculative_config.saguaro.mode: 'async' (SSD) is not available in this version yet; "
-            "use 'sync'."
-        )
     draft_dir = resolve_draft_path(cfg.model)
     info = check_draft(draft_dir, target_model_config)
     device = resolve_device(cfg, is_cpu_platform, tp_size)

@@ -122,6 +122,8 @@ class SampleRun:
     spec: SpecCounters
     generate_s: float
     total_s: float
+    #: Saguaro's Prometheus samples at the end ('name{label="v"}' for labelled ones).
+    saguaro: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 #: One variant: `temperature=1.0` plain sampling. Variants are extra `SamplingParams` fields.
@@ -160,7 +162,7 @@ def sample_outputs(model: str | Path, *, speculative_config: Mapping[str, Any] |
             raise EngineRunError(proc.returncode, log_path.read_text()[-6000:])
         result = json.loads(out_path.read_text())
     tokens = {k: np.asarray(v, dtype=np.int64) for k, v in result["tokens"].items()}
-    return SampleRun(tokens, SpecCounters(**result["spec"]), result["generate_s"], total_s)
+    return SampleRun(tokens, SpecCounters(**result["spec"]), result["generate_s"], total_s, result["saguaro"])
 
 
 class EngineRunError(RuntimeError):
@@ -192,7 +194,21 @@ def _run_engine(request: dict[str, Any]) -> dict[str, Any]:
         if len(ids) != request["max_tokens"]:
             raise RuntimeError(f"expected {request['max_tokens']} tokens, got {ids}")
         tokens[owner].append(ids)
-    return {"tokens": tokens, "spec": _spec_counters(llm.get_metrics()), "generate_s": generate_s}
+    return {"tokens": tokens, "spec": _spec_counters(llm.get_metrics()), "generate_s": generate_s,
+            "saguaro": saguaro_samples()}
+
+
+def saguaro_samples() -> dict[str, float]:
+    """Saguaro's Prometheus samples in this process (the proposer runs in the one-process engine)."""
+    import prometheus_client
+
+    out = {}
+    for metric in prometheus_client.REGISTRY.collect():
+        for s in metric.samples:
+            if s.name.startswith("vllm:saguaro"):
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
 
 
 def _spec_counters(metrics: list[Any]) -> dict[str, int]:

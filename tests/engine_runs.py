@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distribution import ENV_DEFAULTS, EngineRunError, SpecCounters, _spec_counters
+from distribution import ENV_DEFAULTS, EngineRunError, SpecCounters, _spec_counters, saguaro_samples
 
 ENGINE_DEFAULTS: dict[str, Any] = {
     "dtype": "float32", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 32,
@@ -36,7 +36,7 @@ class Job:
 
     name: str
     prompts: list[Any]
-    params: dict[str, Any]
+    params: dict[str, Any] | list[dict[str, Any]]  # one for all prompts, or one per prompt
     sequential: bool = False
 
 
@@ -46,8 +46,15 @@ class JobResult:
     texts: list[str]
     spec: SpecCounters  # counters accumulated during this job only
     seconds: float
-    #: Saguaro's own Prometheus samples at the end of the job (the proposer runs in the engine process).
+    #: Saguaro's own Prometheus samples at the end of the job (the proposer runs in the engine process),
+    #: labelled ones as 'name{label="value"}'.
     saguaro: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: How much each Saguaro counter (`..._total`) grew during this job.
+    saguaro_delta: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def counter(self, prefix: str) -> float:
+        """Sum over labels of a Saguaro counter's growth in this job, e.g. `counter("vllm:saguaro_cache_hits")`."""
+        return sum(v for k, v in self.saguaro_delta.items() if k.split("{")[0] == prefix + "_total")
 
 
 def run_engine(model: str, jobs: list[Job], *, speculative_config: dict | None = None,
@@ -66,7 +73,8 @@ def run_engine(model: str, jobs: list[Job], *, speculative_config: dict | None =
         if proc.returncode != 0 or not out_path.exists():
             raise EngineRunError(proc.returncode, log_path.read_text()[-8000:])
         result = json.loads(out_path.read_text())
-    return {name: JobResult(r["token_ids"], r["texts"], SpecCounters(**r["spec"]), r["seconds"], r["saguaro"])
+    return {name: JobResult(r["token_ids"], r["texts"], SpecCounters(**r["spec"]), r["seconds"], r["saguaro"],
+                            r["saguaro_delta"])
             for name, r in result.items()}
 
 
@@ -74,11 +82,7 @@ def _inputs(prompt: Any) -> Any:
     return prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
 
 
-def _saguaro_samples() -> dict[str, float]:
-    import prometheus_client
-
-    return {s.name: s.value for m in prometheus_client.REGISTRY.collect() for s in m.samples
-            if s.name.startswith("vllm:saguaro")}
+_saguaro_samples = saguaro_samples
 
 
 def _main(request: dict[str, Any]) -> dict[str, Any]:
@@ -89,12 +93,14 @@ def _main(request: dict[str, Any]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for job in request["jobs"]:
         before = _spec_counters(llm.get_metrics())
-        sp = SamplingParams(**job["params"])
+        before_saguaro = _saguaro_samples()
+        params = job["params"] if isinstance(job["params"], list) else [job["params"]] * len(job["prompts"])
+        sps = [SamplingParams(**p) for p in params]
         start = time.monotonic()
         if job["sequential"]:
-            outs = [llm.generate([_inputs(p)], sp, use_tqdm=False)[0] for p in job["prompts"]]
+            outs = [llm.generate([_inputs(p)], sp, use_tqdm=False)[0] for p, sp in zip(job["prompts"], sps)]
         else:
-            outs = llm.generate([_inputs(p) for p in job["prompts"]], sp, use_tqdm=False)
+            outs = llm.generate([_inputs(p) for p in job["prompts"]], sps, use_tqdm=False)
         seconds = time.monotonic() - start
         after = _spec_counters(llm.get_metrics())
         results[job["name"]] = {
@@ -102,7 +108,9 @@ def _main(request: dict[str, Any]) -> dict[str, Any]:
             "texts": [o.outputs[0].text for o in outs],
             "spec": {k: after[k] - before[k] for k in after},
             "seconds": seconds,
-            "saguaro": _saguaro_samples(),
+            "saguaro": (after_saguaro := _saguaro_samples()),
+            "saguaro_delta": {k: v - before_saguaro.get(k, 0.0) for k, v in after_saguaro.items()
+                              if k.split("{")[0].endswith("_total")},
         }
     return results
 

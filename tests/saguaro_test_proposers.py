@@ -13,3 +13,24 @@ class WrongProbsProposer(SaguaroProposer):
             probs = probs.clone()
             probs[:] = 1.0 / probs.shape[-1]
         return probs
+
+
+class UniformBackupProbsProposer(SaguaroProposer):
+    """Verifies every draft of a sampled request that was chosen deterministically (n-gram backups, which
+    must be verified one-hot) as if it had been drawn from a uniform proposal."""
+
+    def propose(self, sampled_token_ids, *args, **kwargs):
+        self._drafts = super().propose(sampled_token_ids, *args, **kwargs)
+        return self._drafts
+
+    def take_last_draft_probs(self):
+        probs = super().take_last_draft_probs()
+        rows = [i for i, d in enumerate(self._drafts) if d]
+        if not rows:
+            return probs
+        if probs is None:
+            probs = self._dense_probs(self._drafts, [], {})
+        probs = probs.clone()
+        one_hot = (probs.max(dim=-1).values == 1.0)  # deterministic drafts (and padding)
+        probs[one_hot] = 1.0 / probs.shape[-1]
+        return probs

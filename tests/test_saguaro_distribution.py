@@ -17,6 +17,7 @@ VARIANTS = {
     "tktp": {"temperature": 0.8, "top_k": 6, "top_p": 0.9},
     "greedy": {"temperature": 0.0},
 }
+PLAIN_VARIANTS = {**VARIANTS, "tp": {"temperature": 1.0, "top_p": 0.9}}
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(pair):
-    return sample_outputs(pair[0], variants=VARIANTS, num_samples=N)
+    return sample_outputs(pair[0], variants=PLAIN_VARIANTS, num_samples=N)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,90 @@ def test_check_detects_wrong_proposal_probabilities(pair, plain):
     wrong = sample_outputs(pair[0], variants={"t1": VARIANTS["t1"]}, num_samples=N, seed=2,
                            speculative_config={"method": "custom_class", "num_speculative_tokens": K,
                                                "model": "saguaro_test_proposers.WrongProbsProposer"},
+                           engine_kwargs={"additional_config": resolved})
+    assert wrong.spec.drafts > 0 and wrong.spec.accepted > 0
+    pvalues = compare(plain.tokens["t1"], wrong.tokens["t1"])
+    assert min(pvalues.values()) < 1e-6, pvalues
+
+
+# ------------------------------------------------------------------------------ mode async (SSD)
+# Every path that can produce a draft token at temperature > 0, each with its own engine run.
+
+def _ssd(pair, **options):
+    return {"method": "saguaro", "model": str(pair[1]), "num_speculative_tokens": K,
+            "saguaro": {"mode": "async", **options}}
+
+
+def _run_ssd(pair, variants, seed, **options):
+    return sample_outputs(pair[0], speculative_config=_ssd(pair, **options), variants=variants,
+                          num_samples=N, seed=seed)
+
+
+def _counter(run, name: str) -> float:
+    """Sum over labels of a Saguaro Prometheus counter at the end of the run."""
+    return sum(v for k, v in run.saguaro.items() if k.split("{")[0] == f"vllm:saguaro_{name}_total")
+
+
+@pytest.fixture(scope="module")
+def ssd_all_hit(pair):
+    # Every bonus token of every depth pre-drafted and finished before the answer: all lookups hit.
+    return _run_ssd(pair, {"t1": VARIANTS["t1"]}, 3, fanout=[23, 23, 23, 24], finish_predraft=True)
+
+
+@pytest.fixture(scope="module")
+def ssd_jit(pair):
+    # One branch per request: mostly misses answered just in time; Saguaro sampling C = 0.25 on every
+    # sampled draft (branches and backups); top-p 0.9 and greedy rows in the same batch.
+    variants = {"t1": VARIANTS["t1"], "tp": PLAIN_VARIANTS["tp"], "greedy": VARIANTS["greedy"]}
+    return _run_ssd(pair, variants, 4, fanout_budget=1, backup="jit", sampling_scale=0.25)
+
+
+@pytest.fixture(scope="module")
+def ssd_ngram(pair):
+    # n-gram backups on every miss (deterministic drafts of sampled requests, verified one-hot).
+    return _run_ssd(pair, {"tktp": VARIANTS["tktp"]}, 5, fanout_budget=1, backup="ngram")
+
+
+def _assert_same(plain_tokens, run_tokens):
+    pvalues = compare(plain_tokens, run_tokens)
+    assert min(pvalues.values()) > 1e-3, pvalues
+
+
+def test_ssd_all_hits_match_target_distribution(plain, ssd_all_hit):
+    _assert_same(plain.tokens["t1"], ssd_all_hit.tokens["t1"])
+    lookups, hits = _counter(ssd_all_hit, "cache_lookups"), _counter(ssd_all_hit, "cache_hits")
+    assert lookups > 0 and hits == lookups, ssd_all_hit.saguaro
+    assert 0 < ssd_all_hit.spec.accepted < ssd_all_hit.spec.draft_tokens
+
+
+@pytest.mark.parametrize("variant", ["t1", "tp"])
+def test_ssd_jit_misses_and_saguaro_sampling_match_target_distribution(plain, ssd_jit, variant):
+    _assert_same(plain.tokens[variant], ssd_jit.tokens[variant])
+    assert _counter(ssd_jit, "cache_hits") > 0, ssd_jit.saguaro
+    assert ssd_jit.saguaro.get('vllm:saguaro_backups_total{kind="jit"}', 0) > 0, ssd_jit.saguaro
+    assert 0 < ssd_jit.spec.accepted < ssd_jit.spec.draft_tokens
+
+
+def test_ssd_greedy_rows_stay_greedy(plain, ssd_jit):
+    assert (ssd_jit.tokens["greedy"] == plain.tokens["greedy"][0]).all()
+
+
+def test_ssd_ngram_misses_match_target_distribution(plain, ssd_ngram):
+    _assert_same(plain.tokens["tktp"], ssd_ngram.tokens["tktp"])
+    assert ssd_ngram.saguaro.get('vllm:saguaro_backups_total{kind="ngram"}', 0) > 0, ssd_ngram.saguaro
+    assert _counter(ssd_ngram, "cache_hits") > 0 and ssd_ngram.spec.accepted > 0
+
+
+def test_check_detects_biased_backup_verification(pair, plain):
+    """n-gram backups verified as if drawn from a uniform proposal instead of one-hot: a biased path."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = _ssd(pair, fanout_budget=1, backup="ngram")
+    resolved = EngineArgs(model=str(pair[0]), speculative_config=spec, skip_tokenizer_init=True,
+                          max_model_len=64).create_engine_config().additional_config
+    wrong = sample_outputs(pair[0], variants={"t1": VARIANTS["t1"]}, num_samples=N, seed=6,
+                           speculative_config={"method": "custom_class", "num_speculative_tokens": K,
+                                               "model": "saguaro_test_proposers.UniformBackupProbsProposer"},
                            engine_kwargs={"additional_config": resolved})
     assert wrong.spec.drafts > 0 and wrong.spec.accepted > 0
     pvalues = compare(plain.tokens["t1"], wrong.tokens["t1"])

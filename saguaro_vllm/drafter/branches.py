@@ -157,6 +157,11 @@ class BranchRun:
         self.steps_done = 0
 
     @property
+    def live_rows(self) -> int:
+        """Branches the next `step` advances."""
+        return sum(1 for n, _, _ in self._flat if self.steps_done < n)
+
+    @property
     def done(self) -> bool:
         return all(self.steps_done >= n for n, _, _ in self._flat)
 

@@ -19,6 +19,8 @@ import torch
 from saguaro_vllm.drafter.attention import AttentionMetadata
 from saguaro_vllm.drafter.kv_cache import BlockTable, KVCacheConfig, OutOfBlocksError, PagedKVCache
 from saguaro_vllm.drafter.model.llama import LlamaForCausalLM
+from saguaro_vllm.ops import loader
+from saguaro_vllm.ops.branch_attention import decode_attention
 
 # (request id, token ids, position of the first token == tokens already computed for the request)
 Chunk = tuple[str, Sequence[int], int]
@@ -54,6 +56,9 @@ class DraftModelRunner:
         self.block_size = kv_cache_cfg.block_size
         self.max_tokens_per_seq = max_tokens_per_seq
         self._requests: dict[str, _Request] = {}
+        #: One-token-per-sequence passes use the compiled branch-attention op (when it is built for this
+        #: device; `SAGUARO_OPS=reference` turns it off) instead of the per-sequence reference loop.
+        self.fused_decode = loader.use_compiled(self.device)
 
     # ---- request state -------------------------------------------------------------------------
     def add_request(self, req_id: str) -> None:
@@ -121,10 +126,11 @@ class DraftModelRunner:
     # ---- forward -------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(
-        self, chunks: Sequence[Chunk], max_tokens_per_seq: int | None = None, num_logits: int = 1
+        self, chunks: Sequence[Chunk], max_tokens_per_seq: int | None = None,
+        num_logits: int | Sequence[int] = 1,
     ) -> torch.Tensor:
         """Write KV for every token of every chunk; return fp32 logits of each chunk's last `num_logits`
-        tokens, chunk by chunk: `[len(chunks) * num_logits, vocab]`.
+        tokens (one number for all chunks, or one per chunk), chunk by chunk: `[sum of them, vocab]`.
 
         Each chunk must start at its request's `num_computed` (call `truncate` first to roll back).
         Chunks longer than `max_tokens_per_seq` (default: the runner's) run over several passes.
@@ -132,7 +138,10 @@ class DraftModelRunner:
         """
         if not chunks:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        self._validate(chunks, num_logits)
+        counts = [num_logits] * len(chunks) if isinstance(num_logits, int) else list(num_logits)
+        if len(counts) != len(chunks):
+            raise ValueError(f"{len(chunks)} chunks but {len(counts)} num_logits")
+        self._validate(chunks, counts)
         self._reserve_all(chunks)
         limit = max_tokens_per_seq or self.max_tokens_per_seq
         done = [0] * len(chunks)
@@ -145,12 +154,12 @@ class DraftModelRunner:
             ]
             if not pieces:
                 break
-            for piece, logits in zip(pieces, self._run(chunks, pieces, num_logits), strict=True):
+            for piece, logits in zip(pieces, self._run(chunks, pieces, counts), strict=True):
                 rows[piece.index].append(logits)
                 done[piece.index] = piece.end
         return torch.cat([t for chunk_rows in rows for t in chunk_rows])
 
-    def _run(self, chunks: Sequence[Chunk], pieces: list[_Piece], num_logits: int) -> list[torch.Tensor]:
+    def _run(self, chunks: Sequence[Chunk], pieces: list[_Piece], num_logits: list[int]) -> list[torch.Tensor]:
         """One model pass over `pieces`; returns, per piece, the logits of its tokens among the last
         `num_logits` of their chunk (possibly none)."""
         input_ids: list[int] = []
@@ -169,12 +178,13 @@ class DraftModelRunner:
             positions.extend(range(first, last))
             slots.extend(table.slots(first, last))
             row0 = query_start[-1] - p.begin  # flat row of chunk offset 0
-            wanted_from = max(p.begin, len(tokens) - num_logits)
+            wanted_from = max(p.begin, len(tokens) - num_logits[p.index])
             logit_rows.extend(range(row0 + wanted_from, row0 + p.end))
             logit_counts.append(max(0, p.end - wanted_from))
             query_start.append(row0 + p.end)
             seq_lens.append(last)
             tables.append(table.blocks[: -(-last // self.block_size)])
+        max_query_len = max(p.end - p.begin for p in pieces)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             query_start_loc=self._tensor(query_start, torch.int32),
@@ -182,9 +192,11 @@ class DraftModelRunner:
             block_table=self._padded(tables),
             query_start_loc_cpu=query_start,
             seq_lens_cpu=seq_lens,
-            max_query_len=max(p.end - p.begin for p in pieces),
+            max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
         )
+        if max_query_len == 1 and self.fused_decode:
+            meta.backend = decode_attention
         input_t, positions_t = self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
         hidden = self.model(input_t, positions_t, self.kv_cache.layers, meta)
         for p, seq_len in zip(pieces, seq_lens, strict=True):
@@ -199,9 +211,9 @@ class DraftModelRunner:
         except KeyError:
             raise KeyError(f"request {req_id!r} is unknown to the draft runner (add_request first)") from None
 
-    def _validate(self, chunks: Sequence[Chunk], num_logits: int) -> None:
+    def _validate(self, chunks: Sequence[Chunk], num_logits: list[int]) -> None:
         seen: set[str] = set()
-        for req_id, tokens, start in chunks:
+        for (req_id, tokens, start), wanted in zip(chunks, num_logits, strict=True):
             req = self._get(req_id)
             if req_id in seen:
                 raise ValueError(f"request {req_id!r} appears twice in one forward call")
@@ -209,8 +221,8 @@ class DraftModelRunner:
             if start != req.num_computed:
                 raise ValueError(f"request {req_id!r}: chunk starts at {start} but {req.num_computed} tokens "
                                  "are computed; truncate first to roll back")
-            if not 1 <= num_logits <= len(tokens):
-                raise ValueError(f"request {req_id!r}: num_logits={num_logits} needs 1..{len(tokens)} "
+            if not 1 <= wanted <= len(tokens):
+                raise ValueError(f"request {req_id!r}: num_logits={wanted} needs 1..{len(tokens)} "
                                  "(the chunk's length)")
 
     def _reserve_all(self, chunks: Sequence[Chunk]) -> None:

@@ -20,6 +20,7 @@ from saguaro_vllm.transport import Channel, Failed, Ready, Shutdown, StepRequest
 
 logger = logging.getLogger("saguaro_vllm.drafter")
 PARENT_POLL_S = 1.0
+DELAY_ENV = "SAGUARO_DRAFTER_DELAY_S"
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -41,6 +42,7 @@ def build_drafter(cfg: dict):
     from saguaro_vllm.drafter.kv_cache import KVCacheConfig, num_blocks_for_budget
     from saguaro_vllm.drafter.model.loader import load_draft_model
     from saguaro_vllm.drafter.runner import DraftModelRunner
+    from saguaro_vllm.drafter.ssd_drafter import SSDDrafter
     from saguaro_vllm.drafter.sync_drafter import SyncDrafter
 
     dtype = _dtype(cfg["dtype"])
@@ -53,7 +55,26 @@ def build_drafter(cfg: dict):
     )
     runner = DraftModelRunner(model, KVCacheConfig(num_blocks=num_blocks, block_size=block_size),
                               max_tokens_per_seq=cfg["saguaro"]["max_tokens_per_forward"])
-    return SyncDrafter(runner, vocab_size=cfg["vocab_size"]), {"num_blocks": num_blocks}
+    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+    if delay > 0:
+        _slow_down(runner, delay)
+    mode = cfg["saguaro"].get("mode", "sync")
+    info = {"num_blocks": num_blocks, "mode": mode}
+    if mode == "async":
+        return SSDDrafter(runner, vocab_size=cfg["vocab_size"], options=cfg["saguaro"]), info
+    return SyncDrafter(runner, vocab_size=cfg["vocab_size"]), info
+
+
+def _slow_down(runner, delay_s: float) -> None:
+    """Testing aid (`SAGUARO_DRAFTER_DELAY_S`): every drafter forward takes `delay_s` longer, e.g. to
+    check that a drafter slower than the target still gives exact output."""
+    forward = runner.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(delay_s)
+        return forward(*args, **kwargs)
+
+    runner.forward = slow_forward
 
 
 def _parent_alive(pid: int) -> bool:
@@ -78,9 +99,12 @@ def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
     info.update(threads=torch.get_num_threads(), cores=sorted(os.sched_getaffinity(0)))
     chan.send(Ready(os.getpid(), info))
     while True:
-        msg = chan.recv(timeout_s=PARENT_POLL_S)
+        busy = getattr(drafter, "busy", False)
+        msg = chan.recv(timeout_s=0 if busy else PARENT_POLL_S)
         if msg is None:
-            if not _parent_alive(parent_pid):
+            if busy:
+                _advance(drafter)
+            elif not _parent_alive(parent_pid):
                 return 0
             continue
         if isinstance(msg, Shutdown):
@@ -95,6 +119,16 @@ def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
                 resp = StepResponse(msg.step, [[] for _ in msg.rows], {}, 0.0,
                                     resync=[r.req_id for r in msg.rows], error=f"{type(err).__name__}: {err}")
             chan.send(resp)
+            if hasattr(drafter, "answered"):
+                drafter.answered()
+
+
+def _advance(drafter) -> None:
+    """One pre-drafting forward (`mode: async`); a failure only loses this round's pre-drafts."""
+    try:
+        drafter.advance()
+    except Exception:
+        logger.exception("pre-drafting failed; this round's outcomes will miss")
 
 
 def main(argv: list[str] | None = None) -> int:

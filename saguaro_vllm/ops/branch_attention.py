@@ -83,3 +83,19 @@ class BranchAttentionMetadata:
         write_kv(k, v, kv_cache, meta.slot_mapping)
         return branch_attention(q, kv_cache, meta.block_tables, meta.prefix_lens, meta.owners, meta.depths,
                                 meta.steps, meta.branch_slots, scale)
+
+
+def decode_attention(q, k, v, kv_cache, meta, scale: float) -> torch.Tensor:
+    """An `AttentionBackend` (drafter/attention.py) for passes where every sequence has exactly one new
+    token (decode steps, the branches of a pre-draft, the glue of one token): the branch-attention op with
+    one query per sequence at depth 0, step -1, i.e. a query that sees its sequence's prefix (all but the
+    new token, through its block table) and the "glue" position right after it (the new token itself).
+    Same result as `reference_paged_attention`, without a per-sequence Python loop.
+    """
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+    n = q.shape[0]
+    zeros = torch.zeros(n, dtype=torch.int32, device=q.device)
+    return branch_attention(
+        q, kv_cache, meta.block_table, meta.seq_lens - 1, torch.arange(n, dtype=torch.int32, device=q.device),
+        zeros, zeros - 1, torch.zeros(n, 1, dtype=torch.int64, device=q.device), scale,
+    )

@@ -24,9 +24,14 @@ def draw_gumbel(
 ) -> torch.Tensor:
     """[num_rows, vocab] float32 Gumbel(0, 1) noise, row i from `generators[i]` (None: the global RNG)."""
     noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
-    for i in range(num_rows):
+    i = 0
+    while i < num_rows:  # one draw per run of rows sharing a generator (e.g. one request's branches)
         gen = generators[i] if generators is not None else None
-        noise[i].exponential_(1.0, generator=gen)
+        j = i + 1
+        while j < num_rows and (generators[j] if generators is not None else None) is gen:
+            j += 1
+        noise[i:j].exponential_(1.0, generator=gen)
+        i = j
     return noise.log_().neg_()
 
 

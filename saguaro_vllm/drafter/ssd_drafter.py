@@ -1,0 +1,425 @@
+"""Speculative speculative decoding (`mode: async`): pre-draft likely outcomes while the target verifies.
+
+One round, per request (docs/algorithm.md has the whole story):
+1. `step` answers the proposer: each row's committed tokens imply an outcome (a accepted, bonus t); the
+   speculation cache answers with the branch pre-drafted for it (hit: its runner sequence is adopted, so
+   its KV is kept, and a branch cut short is topped up to K tokens) or a backup drafts (miss: `jit` or
+   `ngram`, chosen per step by `backup.choose_backup`).
+2. Right after the answer is sent, `advance` runs the pre-drafting for the drafts just sent, one forward at
+   a time: the glue step (KV and bonus distributions of every depth), candidate selection, then the
+   branches' steps. Between forwards the server looks for the next request; when it comes, the pre-draft
+   is cut short (`step` closes it first): finished branches and partial ones go into the cache, where a hit
+   on a partial branch is completed on the critical path. Nothing stale can be served: a branch is keyed by
+   its round and the round ends when its outcome is looked up.
+
+Exactness does not depend on any of this: every draft token is either chosen deterministically (verified
+one-hot by vLLM) or sampled from the proposal q' whose probabilities are sent with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from saguaro_vllm.drafter.backup import BackupInputs, choose_backup, ngram_drafts
+from saguaro_vllm.drafter.branches import BranchRoot, BranchRun
+from saguaro_vllm.drafter.kv_cache import OutOfBlocksError
+from saguaro_vllm.drafter.predictor import (
+    OutcomePredictor,
+    PreDraftPlan,
+    StepCostModel,
+    allocate_fanout,
+    select_candidates,
+    size_budget,
+)
+from saguaro_vllm.drafter.runner import DraftModelRunner
+from saguaro_vllm.drafter.spec_cache import SpeculationCache
+from saguaro_vllm.drafter.sync_drafter import SyncDrafter, _ReqState
+from saguaro_vllm.ops import draw_gumbel, sample_proposal
+from saguaro_vllm.transport import StepRequest, StepResponse
+
+logger = logging.getLogger("saguaro_vllm.drafter")
+
+#: Share of the measured verification time the pre-draft plan may fill (the rest absorbs jitter).
+PLAN_SAFETY = 0.85
+#: Forward timings kept for the step-cost model.
+COST_SAMPLES = 64
+#: Smoothing of the measured verification time.
+VERIFY_EMA = 0.3
+
+# Row status codes of `StepResponse.row_status`.
+HIT, JIT, NGRAM, NEW, NONE = "hit", "jit", "ngram", "new", "none"
+
+
+@dataclasses.dataclass
+class _Sent:
+    """What a request's last answer sent: the round the cache holds for it."""
+
+    context_len: int
+    drafts: list[int]
+    fast: bool  # drafts from the n-gram backup (their own acceptance estimate and fan-out)
+    round_id: int = 0
+
+
+@dataclasses.dataclass
+class SSDStats:
+    """Per-step figures sent with the answer (the proposer turns them into metrics)."""
+
+    budget: int = 0  # branches per request planned for the pre-draft that this step cut short or found done
+    plan_steps: int = 0
+    predraft_s: float = 0.0  # time the drafter spent pre-drafting for this step's outcomes
+    predraft_done: bool = False  # did that pre-draft finish before this step's request came?
+    verify_s: float = 0.0  # time between the previous answer and this request (the target's verification)
+    branches: int = 0  # branches cached for this step's lookups
+    backup: str = ""  # jit | ngram: what this step's misses got
+    alpha: float = 0.0  # acceptance estimate of neural drafts
+
+
+class SSDDrafter(SyncDrafter):
+    def __init__(self, runner: DraftModelRunner, vocab_size: int, options: dict):
+        super().__init__(runner, vocab_size, keep_logits=True)
+        self.opts = options
+        self.cache = SpeculationCache(release=self._release)
+        self.predictor = OutcomePredictor()
+        self._sent: dict[str, _Sent] = {}
+        self._work: Iterator[None] | None = None
+        self._costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=COST_SAMPLES)
+        self._verify_s: float | None = None
+        self._answered_at: float | None = None
+        self._predraft = SSDStats()
+        self._fanout: list[int] = []  # the neural allocation in use (Saguaro sampling's F per depth)
+
+    # ---- bookkeeping ------------------------------------------------------------------------------
+    def _release(self, seq_id: str) -> None:
+        if self.runner.has_request(seq_id):
+            self.runner.free_request(seq_id)
+
+    def free(self, req_id: str) -> None:
+        self.cache.drop(req_id)
+        self._sent.pop(req_id, None)
+        super().free(req_id)
+
+    @property
+    def busy(self) -> bool:
+        """Pre-drafting is under way: call `advance` while no request is waiting."""
+        return self._work is not None
+
+    def answered(self) -> None:
+        """The answer of the last `step` went out: the verification starts now."""
+        self._answered_at = time.perf_counter()
+
+    def advance(self) -> None:
+        """One forward of the pre-draft (a no-op when there is none)."""
+        if self._work is None:
+            return
+        try:
+            next(self._work)
+        except StopIteration:
+            self._work = None
+        except Exception:
+            self._work = None
+            raise
+
+    def _stop_predraft(self) -> None:
+        if self._work is not None:
+            self._work.close()  # the generator's `finally` caches what was drafted so far
+            self._work = None
+
+    def _timed_forward(self, chunks, num_logits=1) -> torch.Tensor:
+        t0 = time.perf_counter()
+        logits = self.runner.forward(chunks, num_logits=num_logits)
+        self._costs.append((sum(len(c[1]) for c in chunks), time.perf_counter() - t0))
+        return logits[:, : self.vocab_size]
+
+    # ---- the answer ---------------------------------------------------------------------------------
+    def step(self, req: StepRequest) -> StepResponse:
+        t0 = time.perf_counter()
+        stats = self._predraft
+        stats.predraft_done = self._work is None
+        if self._answered_at is not None:
+            measured = t0 - self._answered_at
+            self._verify_s = measured if self._verify_s is None else (
+                (1 - VERIFY_EMA) * self._verify_s + VERIFY_EMA * measured)
+            stats.verify_s = measured
+        self._answered_at = None
+        if self.opts.get("finish_predraft"):
+            while self._work is not None:
+                self.advance()
+        self._stop_predraft()
+        stats.branches = len(self.cache)
+        for rid in req.finished:
+            self.free(rid)
+
+        n = len(req.rows)
+        drafts: list[list[int]] = [[] for _ in range(n)]
+        probs: dict[int, list[np.ndarray]] = {}
+        status = [NONE] * n
+        depth = [-1] * n
+        resync: list[str] = []
+        topups: list[tuple[int, int]] = []  # (row, drafts still to add) for hits cut short
+        misses: list[int] = []
+        for i, row in enumerate(req.rows):
+            st = self.reqs.get(row.req_id)
+            sent = self._sent.pop(row.req_id, None)
+            branch = None
+            if st is not None and sent is not None:
+                outcome, branch = self.cache.lookup(row.req_id, row.start, row.new_tokens)
+                status[i] = JIT  # a miss until proven otherwise; the backup kind is set below
+                if outcome is not None:
+                    depth[i] = outcome.accepted
+                    self.predictor.observe(outcome.accepted, len(sent.drafts), fast_backup=sent.fast)
+            else:
+                self.cache.drop(row.req_id)
+                status[i] = NEW
+            if branch is not None and row.start == len(st.context):
+                status[i] = HIT
+                self.runner.adopt(branch.seq_id, row.req_id)
+                st.context.extend(row.new_tokens)
+                toks = list(branch.tokens)
+                want = max(row.num_drafts, 0)
+                keep = min(len(toks), want)
+                drafts[i] = toks[:keep]
+                st.drafted = toks[: max(keep - 1, 0)]
+                st.draft_logits = list(branch.logits[:keep]) if branch.logits is not None else []
+                if self.runner.num_computed(row.req_id) > len(st.context) + len(st.drafted):
+                    self.runner.truncate(row.req_id, len(st.context) + len(st.drafted))
+                if branch.probs is not None and keep:
+                    probs[i] = [p.cpu().numpy() for p in branch.probs[:keep]]
+                if keep < want:
+                    topups.append((i, want - keep))
+                continue
+            if branch is not None:  # cannot happen (lookup checks the position); never serve it
+                self._release(branch.seq_id)
+            st = self._update(row)
+            if st is None:
+                resync.append(row.req_id)
+                status[i] = NONE
+                continue
+            if row.num_drafts <= 0 or not st.context:
+                status[i] = NONE
+                continue
+            misses.append(i)
+
+        kind = self._choose_backup(req, len(req.rows) - len(misses), misses)
+        stats.backup = kind if misses else ""
+        if kind == NGRAM:
+            for i in misses:
+                st = self.reqs[req.rows[i].req_id]
+                drafts[i] = ngram_drafts(st.context, req.rows[i].num_drafts)
+                st.drafted, st.draft_logits = [], []
+                status[i] = NGRAM if status[i] == JIT else status[i]
+        self._draft_now(req, drafts, probs, topups, misses if kind == JIT else [])
+
+        roots = []
+        for i, row in enumerate(req.rows):
+            if not drafts[i]:
+                continue
+            st = self.reqs[row.req_id]
+            fast = kind == NGRAM and i in misses
+            sent = _Sent(len(st.context), list(drafts[i]), fast)
+            sent.round_id = self.cache.start_round(row.req_id, sent.context_len, sent.drafts)
+            self._sent[row.req_id] = sent
+            roots.append(row.req_id)
+        if roots:
+            self._work = self._predraft_rounds(roots)
+        stats.alpha = self.predictor.neural.alpha
+        out_probs = {i: np.stack(p) for i, p in probs.items() if p}
+        resp = StepResponse(req.step, drafts, out_probs, time.perf_counter() - t0, resync,
+                            live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
+                            row_status=status, row_depth=depth, ssd=dataclasses.asdict(stats))
+        self._predraft = SSDStats()
+        return resp
+
+    def _choose_backup(self, req: StepRequest, hits: int, misses: list[int]) -> str:
+        policy = self.opts.get("backup", "auto")
+        if not misses or policy != "auto":
+            return JIT if policy == "auto" else policy
+        k = max(req.rows[i].num_drafts for i in misses)
+        cost = self._cost_model()
+        jit_s = None
+        if cost is not None:
+            first = sum(max(1, len(self.reqs[req.rows[i].req_id].context)
+                            - (self.runner.num_computed(req.rows[i].req_id)
+                               if self.runner.has_request(req.rows[i].req_id) else 0)) for i in misses)
+            jit_s = cost.step_s(first) + (k - 1) * cost.step_s(len(misses))
+        return choose_backup("auto", BackupInputs(
+            hits=hits, misses=len(misses), k=k, alpha_neural=self.predictor.neural.alpha,
+            alpha_ngram=self.predictor.backup.alpha, verify_s=self._verify_s, jit_s=jit_s))
+
+    def _draft_now(self, req: StepRequest, drafts, probs, topups, jit_rows) -> None:
+        """Draft on the critical path: K tokens for jit misses, the missing tail of hits cut short."""
+        jobs: dict[int, int] = {}  # row -> drafts still wanted
+        chunks = []
+        for i in jit_rows:
+            row = req.rows[i]
+            st = self.reqs[row.req_id]
+            if not self.runner.has_request(row.req_id):
+                self.runner.add_request(row.req_id)
+            start = min(self.runner.num_computed(row.req_id), len(st.context) - 1)
+            self.runner.truncate(row.req_id, start)
+            st.drafted, st.draft_logits = [], []
+            chunks.append((row.req_id, st.context[start:], start))
+            jobs[i] = row.num_drafts
+        for i, more in topups:
+            rid = req.rows[i].req_id
+            st = self.reqs[rid]
+            last = drafts[i][-1]
+            chunks.append((rid, [last], self.runner.num_computed(rid)))
+            jobs[i] = more
+        order = list(jit_rows) + [i for i, _ in topups]
+        order, chunks = self._fit(req.rows, order, chunks)
+        while chunks:
+            logits = self._timed_forward(chunks)
+            next_order, next_chunks = [], []
+            for i, (rid, toks, _), lg in zip(order, chunks, logits, strict=True):
+                st = self.reqs[rid]
+                if drafts[i]:  # the fed token now has KV (a top-up's last branch token, or a draft)
+                    if len(st.drafted) < len(drafts[i]):
+                        st.drafted.append(drafts[i][-1])
+                tok, q = self._choose_token(st, lg, depth=len(drafts[i]))
+                drafts[i].append(tok)
+                st.draft_logits.append(lg)
+                if q is not None:
+                    probs.setdefault(i, []).append(q)
+                jobs[i] -= 1
+                if jobs[i] > 0:
+                    next_order.append(i)
+                    next_chunks.append((rid, [tok], self.runner.num_computed(rid)))
+            order, chunks = self._fit(req.rows, next_order, next_chunks)
+
+    def _choose_token(self, st: _ReqState, logits: torch.Tensor, depth: int) -> tuple[int, np.ndarray | None]:
+        if st.sampling.greedy:
+            return int(logits.argmax()), None
+        toks, q = self._sample(st, logits[None], depth)
+        return int(toks[0]), q[0].cpu().numpy()
+
+    def _sample(self, st: _ReqState, logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Saguaro sampling: q' = the request's proposal with its top-F probabilities scaled by C."""
+        spec = st.sampling
+        c = float(self.opts.get("sampling_scale", 1.0))
+        f = self._fanout[depth] if c < 1.0 and depth < len(self._fanout) else 0
+        gumbel = draw_gumbel(logits.shape[0], logits.shape[1], [st.generator] * logits.shape[0],
+                             device=logits.device)
+        return sample_proposal(logits, gumbel, spec.temperature, spec.top_k, spec.top_p, f, c)
+
+    # ---- pre-drafting ---------------------------------------------------------------------------------
+    def _cost_model(self) -> StepCostModel | None:
+        return StepCostModel.fit(list(self._costs)) if len(self._costs) >= 3 else None
+
+    def _plan(self, batch: int, k: int) -> PreDraftPlan:
+        fixed = self.opts.get("fanout") or None
+        if fixed:
+            return PreDraftPlan(sum(fixed), k)
+        if self.opts.get("fanout_budget"):
+            return PreDraftPlan(int(self.opts["fanout_budget"]), k)
+        cost = self._cost_model()
+        if cost is None or self._verify_s is None:
+            return PreDraftPlan(k + 1, k)  # one branch per depth until timings are known
+        plan = size_budget(PLAN_SAFETY * self._verify_s, cost, batch, k,
+                           max_branches=int(self.opts.get("max_fanout_budget", 32)))
+        if plan.branches == 0:  # not even one branch per depth fits one step: the most likely outcomes only
+            return PreDraftPlan(max(1, min(2, k + 1)), 1)
+        return plan
+
+    def _fanout_for(self, sent: _Sent, budget: int) -> list[int]:
+        k = len(sent.drafts)
+        fixed = self.opts.get("miss_fanout" if sent.fast else "fanout")
+        if fixed and len(fixed) == k + 1:
+            return list(fixed)
+        return self.predictor.fanout(budget, k, fast_backup=sent.fast)
+
+    def _predraft_rounds(self, req_ids: list[str]) -> Iterator[None]:
+        """Generator: glue, then the branch steps, one forward per `next`; closing it caches the branches."""
+        t0 = time.perf_counter()
+        run: BranchRun | None = None
+        stats = self._predraft
+        try:
+            yield  # nothing before the answer is out: the first forward runs on the next `advance`
+            t0 = time.perf_counter()
+            roots, scores = self._glue(req_ids)
+            yield
+            if not roots:
+                return
+            k = max(r.k for r in roots)
+            plan = self._plan(len(roots), k)
+            stats.budget, stats.plan_steps = plan.branches, plan.steps
+            candidates = []
+            for root, sc in zip(roots, scores, strict=True):
+                fan = self._fanout_for(self._sent[root.req_id], plan.branches)
+                if not self._sent[root.req_id].fast:
+                    self._fanout = fan
+                candidates.append(select_candidates(sc, root.drafts, fan))
+            run = BranchRun(self.runner, roots, candidates, num_steps=plan.steps, propose=self._propose_branches,
+                            keep_logits=True, vocab_size=self.vocab_size)
+            self._run = run
+            while not run.done:
+                s0 = time.perf_counter()
+                rows = run.live_rows
+                run.step()
+                self._costs.append((rows, time.perf_counter() - s0))
+                yield
+        finally:
+            if run is not None:
+                for branch in run.finish():
+                    sent = self._sent.get(branch.req_id)
+                    if branch.tokens and sent is not None:
+                        self.cache.put(branch, sent.round_id)
+                    else:
+                        self._release(branch.seq_id)
+            stats.predraft_s = time.perf_counter() - t0
+
+    def _glue(self, req_ids: list[str]) -> tuple[list[BranchRoot], list[torch.Tensor]]:
+        """Feed every token of context + drafts the draft has no KV for (normally just x_K; after an
+        n-gram backup the new context tail and all drafts), and gather the K+1 bonus distributions."""
+        chunks, wanted, items = [], [], []
+        for rid in req_ids:
+            st, sent = self.reqs.get(rid), self._sent.get(rid)
+            if st is None or sent is None or len(st.context) != sent.context_len:
+                continue
+            seq = st.context + sent.drafts
+            if not self.runner.has_request(rid):
+                self.runner.add_request(rid)
+            done = self.runner.num_computed(rid)
+            k = len(sent.drafts)
+            if done >= len(seq):  # cannot happen (drafts never all have KV); keep it safe
+                self.runner.truncate(rid, len(seq) - 1)
+                done = len(seq) - 1
+            have = len(st.draft_logits) if len(st.draft_logits) >= k and done == len(seq) - 1 else 0
+            need = min(len(seq) - done, k + 1 - have)  # depths have..k come from this forward
+            if have + need < k + 1:  # depth distributions neither kept nor recomputable: recompute all
+                self.runner.truncate(rid, max(0, sent.context_len - 1))
+                done = self.runner.num_computed(rid)
+                have, need = 0, k + 1
+            try:
+                self.runner.reserve(rid, len(seq) - done)
+            except OutOfBlocksError:
+                continue
+            chunks.append((rid, seq[done:], done))
+            wanted.append(need)
+            items.append((rid, st, sent, have))
+        if not chunks:
+            return [], []
+        logits = self._timed_forward(chunks, num_logits=wanted)
+        roots, scores = [], []
+        offset = 0
+        for (rid, st, sent, have), need in zip(items, wanted, strict=True):
+            rows = logits[offset: offset + need]
+            offset += need
+            kept = list(st.draft_logits[:have])
+            st.drafted = list(sent.drafts)  # all drafts have KV now
+            st.draft_logits = []
+            roots.append(BranchRoot(rid, sent.context_len, tuple(sent.drafts)))
+            scores.append(torch.cat([torch.stack(kept), rows]) if kept else rows)
+        return roots, scores
+
+    def _propose_branches(self, req_id: str, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        st = self.reqs[req_id]
+        if st.sampling.greedy:
+            return logits.argmax(dim=-1), None
+        return self._sample(st, logits, depth=self._run.steps_done - 1)

@@ -1,0 +1,131 @@
+"""`mode: async` drafter contract, without vLLM: whatever the outcomes, hits, misses, cut-short
+pre-drafts and backups, every greedy answer equals the draft model's own continuation of the committed
+context (so vLLM verifies exactly what `mode: sync` would), n-gram backups are the context lookup, the
+cache serves hits at every depth, and all KV is freed at the end."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from saguaro_vllm.drafter.backup import ngram_drafts
+from saguaro_vllm.drafter.kv_cache import KVCacheConfig
+from saguaro_vllm.drafter.model.loader import load_draft_model
+from saguaro_vllm.drafter.runner import DraftModelRunner
+from saguaro_vllm.drafter.ssd_drafter import SSDDrafter
+from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
+
+from test_sync_drafter import greedy_continuation
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def draft_model(tiny_pair):
+    return load_draft_model(tiny_pair[1], dtype=torch.float32, device="cpu")
+
+
+def make_drafter(model, num_blocks=256, **options) -> SSDDrafter:
+    runner = DraftModelRunner(model, KVCacheConfig(num_blocks=num_blocks, block_size=16))
+    return SSDDrafter(runner, vocab_size=model.config.vocab_size, options={"backup": "jit", **options})
+
+
+def draft_logits(model, context: list[int]) -> torch.Tensor:
+    runner = DraftModelRunner(model, KVCacheConfig(num_blocks=64, block_size=16))
+    runner.add_request("ref")
+    return runner.forward([("ref", context, 0)])[0, : model.config.vocab_size].clone()
+
+
+def simulate_outcome(model, context, drafts, rng) -> list[int]:
+    """A target that accepts a random prefix and, at the rejection, usually picks the draft's best other
+    token (a likely cache hit), sometimes a random one (a miss)."""
+    a = int(rng.integers(0, len(drafts) + 1))
+    logits = draft_logits(model, context + drafts[:a])
+    if a < len(drafts):
+        logits[drafts[a]] = float("-inf")
+    bonus = int(logits.argmax()) if rng.random() < 0.75 else int(rng.integers(2, 300))
+    if a < len(drafts) and bonus == drafts[a]:
+        bonus = int(logits.argmax())
+    return drafts[:a] + [bonus]
+
+
+def run_rounds(model, drafter, rng, rounds=10, advance=lambda rng: 100, contexts=None):
+    contexts = contexts or {"a": list(map(int, rng.integers(2, 300, 23))), "b": list(map(int, rng.integers(2, 300, 5))),
+                            "c": list(map(int, rng.integers(2, 300, 40)))}
+    sent = dict.fromkeys(contexts, 0)
+    statuses: list[str] = []
+    for step in range(1, rounds + 1):
+        rows = []
+        for rid, ctx in contexts.items():
+            rows.append(RowUpdate(rid, sent[rid], ctx[sent[rid]:], K, SamplingSpec() if sent[rid] == 0 else None))
+            sent[rid] = len(ctx)
+        resp = drafter.step(StepRequest(step, rows, []))
+        drafter.answered()
+        for _ in range(advance(rng)):
+            drafter.advance()
+        assert resp.resync == [] and not resp.probs
+        statuses += resp.row_status
+        for row, drafts, status in zip(rows, resp.drafts, resp.row_status):
+            ctx = contexts[row.req_id]
+            if status == "ngram" or (status == "new" and resp.ssd["backup"] == "ngram"):
+                assert drafts == ngram_drafts(ctx, K)
+            else:
+                assert drafts == greedy_continuation(model, ctx, K), (step, row.req_id, status)
+            if drafts:
+                contexts[row.req_id] = ctx + simulate_outcome(model, ctx, drafts, rng)
+            else:
+                contexts[row.req_id] = ctx + [int(rng.integers(2, 300))]
+    return statuses, contexts
+
+
+@pytest.mark.parametrize("advance", ["all", "random", "none"])
+def test_greedy_answers_equal_the_draft_continuation(draft_model, advance):
+    rng = np.random.default_rng({"all": 0, "random": 1, "none": 2}[advance])
+    drafter = make_drafter(draft_model)
+    steps = {"all": lambda r: 100, "random": lambda r: int(r.integers(0, 6)), "none": lambda r: 0}[advance]
+    statuses, _ = run_rounds(draft_model, drafter, rng, advance=steps)
+    if advance != "none":
+        assert statuses.count("hit") > 0 and statuses.count("jit") > 0, statuses
+    else:
+        assert "hit" not in statuses
+    drafter.step(StepRequest(99, [], ["a", "b", "c"]))
+    assert drafter.reqs == {} and len(drafter.cache) == 0
+    assert drafter.runner.num_free_blocks == 256
+
+
+def test_hits_at_every_depth_with_a_wide_fanout(draft_model):
+    rng = np.random.default_rng(3)
+    drafter = make_drafter(draft_model, fanout=[3, 3, 3, 3, 2])
+    statuses, _ = run_rounds(draft_model, drafter, rng, rounds=16)
+    assert statuses.count("hit") > statuses.count("jit")
+    assert len(drafter.cache.stats.hits_by_depth) >= 3, drafter.cache.stats
+
+
+def test_ngram_backup(draft_model):
+    rng = np.random.default_rng(4)
+    drafter = make_drafter(draft_model, backup="ngram", fanout=[1, 0, 0, 0, 1])
+    statuses, _ = run_rounds(draft_model, drafter, rng, rounds=8,
+                             contexts={"a": [5, 6, 7, 8, 9, 5, 6, 7], "b": [11, 12, 13, 11, 12]})
+    assert "ngram" in statuses
+    drafter.step(StepRequest(99, [], ["a", "b"]))
+    assert drafter.runner.num_free_blocks == 256
+
+
+def test_sampled_rows_carry_their_proposal(draft_model):
+    drafter = make_drafter(draft_model, fanout=[2, 1, 1, 1, 1], sampling_scale=0.25)
+    spec = SamplingSpec(temperature=1.0, seed=7)
+    ctx = list(range(2, 30))
+    resp = drafter.step(StepRequest(1, [RowUpdate("s", 0, ctx, K, spec)], []))
+    drafter.answered()
+    for _ in range(10):
+        drafter.advance()
+    drafts = resp.drafts[0]
+    q = resp.probs[0]
+    assert q.shape[0] == len(drafts) == K
+    assert np.allclose(q.sum(-1), 1.0, atol=1e-5) and all(q[j, t] > 0 for j, t in enumerate(drafts))
+    # An all-accepted outcome whose bonus is the top candidate at depth K is a hit with probabilities.
+    keys = drafter.cache.outcomes("s")
+    depth_k = [t for j, t in keys if j == K]
+    assert depth_k
+    resp = drafter.step(StepRequest(2, [RowUpdate("s", len(ctx), drafts + [depth_k[0]], K)], []))
+    assert resp.row_status == ["hit"] and resp.probs[0].shape[0] == K and resp.row_depth == [K]
