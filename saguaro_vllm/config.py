@@ -53,7 +53,8 @@ class SaguaroOptions(BaseModel):
         "you set it yourself). Default: the cores not given to the drafter.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Draft weights and KV dtype. `auto`: float32 on CPU, the target's dtype on GPU."
+        "auto", description="Draft weights and KV dtype. `auto`: on CPU bfloat16 where the CPU has bf16 "
+        "matrix instructions (AVX512-BF16 or AMX), else float32; the target's dtype on GPU."
     )
     block_size: int = Field(16, description="Tokens per block of the drafter's paged KV cache.")
     kv_cache_gb: float = Field(

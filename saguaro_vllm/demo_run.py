@@ -48,6 +48,16 @@ def speculation_summary(metrics: dict[str, float], k: int) -> list[str]:
         comp = metrics.get("vllm:saguaro_drafter_compute_seconds_sum", 0.0)
         lines.append(f"drafter steps: {n:.0f}, mean drafter step: {1e3 * total / n:.1f} ms "
                      f"(drafter compute {1e3 * comp / n:.1f} ms)")
+    lookups = metrics.get("vllm:saguaro_cache_lookups_total", 0.0)
+    if lookups:
+        hits = metrics.get("vllm:saguaro_cache_hits_total", 0.0)
+        lines.append(f"speculation cache: hit rate {hits / lookups:.3f} ({hits:.0f} of {lookups:.0f} lookups), "
+                     f"backups: {metrics.get('vllm:saguaro_backups_total', 0.0):.0f}")
+        rounds = metrics.get("vllm:saguaro_predraft_seconds_count", 0.0)
+        if rounds:
+            pre = metrics.get("vllm:saguaro_predraft_seconds_sum", 0.0) / rounds
+            ver = metrics.get("vllm:saguaro_verify_seconds_sum", 0.0) / rounds
+            lines.append(f"pre-drafting {1e3 * pre:.1f} ms per round vs verification {1e3 * ver:.1f} ms")
     return lines
 
 

@@ -51,8 +51,18 @@ class SaguaroProposer:
         self._generation = 0
         self.metrics = SaguaroMetrics(self.cfg, self.logger)
         self.client: DrafterClient | None = None
+        if self.cfg.get("target_cores"):
+            self._pin_target(self.cfg["target_cores"])
         if self._is_output_rank():
             self.client = DrafterClient(self.cfg, self.logger)
+
+    def _pin_target(self, cores: list[int]) -> None:
+        """CPU: keep the whole target worker on its cores (saguaro_vllm/placement.py says why)."""
+        from saguaro_vllm.placement import pin_process
+
+        stuck = pin_process(cores)
+        self.logger.info("Saguaro: target worker pinned to cores %s (%d torch threads)%s", cores, len(cores),
+                         f"; could not move threads {stuck}" if stuck else "")
 
     @staticmethod
     def _is_output_rank() -> bool:

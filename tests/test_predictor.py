@@ -155,3 +155,21 @@ def test_step_cost_model_fit():
     assert StepCostModel.fit([(4, 0.003), (4, 0.005)]) == StepCostModel(0.004, 0.0)
     with pytest.raises(ValueError):
         StepCostModel.fit([])
+
+
+def test_plan_predraft_prefers_depth_and_stays_in_time():
+    from saguaro_vllm.drafter.predictor import expected_hit_rate, plan_predraft
+
+    cost = StepCostModel(0.020, 0.0013)
+    for verify in (0.05, 0.1, 0.16, 0.3, 1.0):
+        for batch in (1, 4, 16):
+            plan = plan_predraft(verify, cost, batch, 5, 0.8, max_branches=32)
+            if plan.branches:
+                assert cost.step_s(batch) + plan.steps * cost.step_s(batch * plan.branches) <= verify
+    # Plenty of time: full depth and as wide as allowed.
+    assert plan_predraft(1.0, cost, 1, 5, 0.8, max_branches=32) == PreDraftPlan(32, 5)
+    # Nothing fits: no plan.
+    assert plan_predraft(0.03, cost, 1, 5, 0.8) == PreDraftPlan(0, 0)
+    # More branches never lower the modelled hit rate.
+    rates = [expected_hit_rate(allocate_fanout(m, 0.8, 5), 0.8) for m in range(1, 30)]
+    assert all(b >= a - 1e-12 for a, b in zip(rates, rates[1:]))

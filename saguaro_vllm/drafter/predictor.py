@@ -179,3 +179,44 @@ def size_budget(verify_s: float, cost: StepCostModel, batch_size: int, k: int, m
         if m >= need:
             return PreDraftPlan(m, steps)
     return PreDraftPlan(0, 0)
+
+
+#: Modelling prior for `plan_predraft`: the chance that the best candidate of a depth is the bonus token
+#: (each further candidate catches this share of what is left).
+TOP1_HIT = 0.6
+
+
+def expected_hit_rate(fanout: Sequence[int], alpha: float, top1: float = TOP1_HIT) -> float:
+    """P(hit) of a fan-out under the acceptance model: sum_j P(a=j) (1 - (1 - top1)^f_j)."""
+    probs = depth_probs(alpha, len(fanout) - 1)
+    return sum(p * (1.0 - (1.0 - top1) ** f) for p, f in zip(probs, fanout, strict=True))
+
+
+def plan_predraft(verify_s: float, cost: StepCostModel, batch_size: int, k: int, alpha: float,
+                  r: float = DEFAULT_R, max_branches: int = 64, top1: float = TOP1_HIT) -> PreDraftPlan:
+    """The pre-drafting plan (branches M per request, steps s) that saves the most critical-path draft
+    steps: every feasible plan (glue + s steps over batch x M rows within `verify_s`) is scored by
+    P(hit | M) x s, since a hit on a branch of s < K tokens still needs K - s steps on the critical path
+    and a miss needs K. Depth therefore beats width unless width raises the hit rate a lot.
+
+    Worked example: steps cost 20 ms + 0.5 ms per row, K=5, alpha=0.7. With 170 ms to fill, 5 steps fit
+    19 branches. With 100 ms, 5 steps fit none, 4 steps fit 1 branch (score 0.18 x 4 with the default
+    prior), 3 steps fit 12 (score ~0.98 x 3): 12 branches of 3 steps.
+
+    >>> plan_predraft(0.170, StepCostModel(0.020, 0.0005), batch_size=1, k=5, alpha=0.7)
+    PreDraftPlan(branches=19, steps=5)
+    >>> plan_predraft(0.100, StepCostModel(0.020, 0.0005), batch_size=1, k=5, alpha=0.7)
+    PreDraftPlan(branches=12, steps=3)
+    """
+    if batch_size < 1 or k < 1 or max_branches < 1:
+        raise ValueError(f"need batch_size, k, max_branches >= 1; got {batch_size}, {k}, {max_branches}")
+    glue_s = cost.step_s(batch_size)
+    best, best_score = PreDraftPlan(0, 0), 0.0
+    for steps in range(k, 0, -1):
+        for m in range(1, max_branches + 1):
+            if glue_s + steps * cost.step_s(batch_size * m) > verify_s:
+                break
+            score = expected_hit_rate(allocate_fanout(m, alpha, k, r), alpha, top1) * steps
+            if score > best_score + 1e-9:
+                best, best_score = PreDraftPlan(m, steps), score
+    return best

@@ -31,8 +31,9 @@ def place_process(cfg: dict) -> None:
     """Pin this process to its own cores (CPU drafter) and size torch's thread pool to them."""
     cores = cfg.get("draft_cores") or []
     if cfg["device"] == "cpu" and cores:
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(len(cores))
+        from saguaro_vllm.placement import pin_process
+
+        pin_process(cores)
     elif cfg["device"].startswith("cuda"):
         torch.cuda.set_device(torch.device(cfg["device"]))
 

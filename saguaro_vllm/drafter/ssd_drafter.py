@@ -35,8 +35,8 @@ from saguaro_vllm.drafter.predictor import (
     PreDraftPlan,
     StepCostModel,
     allocate_fanout,
+    plan_predraft,
     select_candidates,
-    size_budget,
 )
 from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.spec_cache import SpeculationCache
@@ -321,8 +321,8 @@ class SSDDrafter(SyncDrafter):
         cost = self._cost_model()
         if cost is None or self._verify_s is None:
             return PreDraftPlan(k + 1, k)  # one branch per depth until timings are known
-        plan = size_budget(PLAN_SAFETY * self._verify_s, cost, batch, k,
-                           max_branches=int(self.opts.get("max_fanout_budget", 32)))
+        plan = plan_predraft(PLAN_SAFETY * self._verify_s, cost, batch, k, self.predictor.neural.alpha,
+                             max_branches=int(self.opts.get("max_fanout_budget", 32)))
         if plan.branches == 0:  # not even one branch per depth fits one step: the most likely outcomes only
             return PreDraftPlan(max(1, min(2, k + 1)), 1)
         return plan
