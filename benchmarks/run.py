@@ -1,16 +1,24 @@
-"""Side-by-side decode speed: vLLM AR vs vLLM `draft_model` vs Saguaro `sync` (and later `async`).
+"""Side by side: vLLM AR, vLLM `draft_model`, Saguaro `sync` and Saguaro `async` (SSD) on the same prompts.
 
 Every engine runs in its own fresh process (one-process vLLM: front end, engine core and worker together),
-on the same prompts, with the same target cores; the Saguaro drafter gets the remaining core(s). Rounds are
-interleaved (A B C A B C ...) so machine drift cancels. Results go to `benchmarks/results/<date>-<case>.json`.
+rounds interleaved (A B C D A B C D ...) so machine drift cancels. Placement (stated in every result):
+- `split` (default, the paper's setting): every engine's target on `--target-cores`; vLLM engines get the
+  whole engine process pinned there, Saguaro engines pin their worker themselves (saguaro_vllm/placement.py)
+  and the drafter runs on `--draft-cores`;
+- `equal`: vLLM AR and `draft_model` may use every core (equal total cores); Saguaro as in `split`.
+Results go to `benchmarks/results/<date>-<name>.json`; `benchmarks/report.py` turns them into
+`docs/benchmarks.md` and plots.
 
-    .venv/bin/python benchmarks/run.py --quick                 # demo pair, batch 1, T=0
-    .venv/bin/python benchmarks/run.py --models cost --rounds 2 --batch-sizes 1 --max-tokens 256
+    .venv/bin/python benchmarks/run.py --quick                       # ~3-minute smoke run
+    .venv/bin/python benchmarks/run.py --name b1-t0 --batch-sizes 1 --temperatures 0
+    .venv/bin/python benchmarks/run.py --sweep --name sweep-c --temperatures 1 --sweep-scale 1,0.5,0.25
+    saguaro-vllm bench --quick                                       # the same script
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -26,25 +34,32 @@ from tqdm import tqdm
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def engine_specs(draft: str, k_draft_model: int, k_saguaro: int, saguaro_options: dict | None = None,
+# ------------------------------------------------------------------------------------------- engines
+
+def engine_specs(draft: str, k_draft_model: list[int], k_saguaro: int, saguaro_options: dict | None = None,
                  target_cores: list[int] | None = None, draft_cores: list[int] | None = None,
                  ) -> dict[str, dict | None]:
+    """Engine name -> speculative config (None: AR). `vllm-draft_model-k<K>` for each K tried."""
     placement = {"target_cores": target_cores, "draft_cores": draft_cores} if target_cores else {}
-    return {
-        "vllm-ar": None,
-        "vllm-draft_model": {"method": "draft_model", "model": draft, "num_speculative_tokens": k_draft_model},
-        "saguaro-sync": {"method": "saguaro", "model": draft, "num_speculative_tokens": k_saguaro,
-                         "saguaro": {"mode": "sync", "log_interval_s": 0, **placement}},
-        "saguaro-async": {"method": "saguaro", "model": draft, "num_speculative_tokens": k_saguaro,
-                          "saguaro": {"mode": "async", "log_interval_s": 0, **placement,
-                                      **(saguaro_options or {})}},
-    }
+    specs: dict[str, dict | None] = {"vllm-ar": None}
+    for k in k_draft_model:
+        specs[f"vllm-draft_model-k{k}"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    specs["saguaro-sync"] = {"method": "saguaro", "model": draft, "num_speculative_tokens": k_saguaro,
+                             "saguaro": {"mode": "sync", "log_interval_s": 0, **placement}}
+    specs["saguaro-async"] = {"method": "saguaro", "model": draft, "num_speculative_tokens": k_saguaro,
+                              "saguaro": {"mode": "async", "log_interval_s": 0, **placement,
+                                          **(saguaro_options or {})}}
+    return specs
+
+
+def engine_family(engine: str) -> str:
+    """`vllm-draft_model-k5` -> `vllm-draft_model` (the row the report shows, at its best K)."""
+    return engine.rsplit("-k", 1)[0] if engine.startswith("vllm-draft_model-k") else engine
 
 
 def run_one(target: str, spec: dict | None, prompts: list[str], batch: int, temperature: float,
             max_tokens: int, pin: list[int] | None, timeout_s: float) -> dict:
-    """One engine in a fresh process; `pin`: the cores the whole engine process is confined to (the
-    Saguaro drafter, its child, moves itself to its own cores), None: all cores."""
+    """One engine in a fresh process; `pin`: the cores the whole engine process is confined to (None: all)."""
     request = {"target": target, "spec": spec, "prompts": prompts, "batch": batch,
                "temperature": temperature, "max_tokens": max_tokens, "pin": pin}
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -63,8 +78,31 @@ def run_one(target: str, spec: dict | None, prompts: list[str], batch: int, temp
         return json.loads(out.read_text())
 
 
+# -------------------------------------------------------------------------------- inside the engine
+
+def peak_memory_mb() -> dict[str, float]:
+    """Peak resident memory (VmHWM) of this engine process and of its child processes (the drafter)."""
+    import psutil
+
+    def hwm(pid: int) -> float | None:
+        try:
+            for line in open(f"/proc/{pid}/status"):
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            return None
+        return None
+
+    out = {"engine": hwm(os.getpid()) or 0.0}
+    for child in psutil.Process().children(recursive=True):
+        mb = hwm(child.pid)
+        if mb is not None and "saguaro_vllm.drafter.server" in " ".join(child.cmdline()):
+            out["drafter"] = mb
+    return out
+
+
 def worker(req_path: str, out_path: str) -> None:
-    """Inside the engine process: warm up, then time batches of `batch` concurrent requests."""
+    """Inside the engine process: warm up, then time groups of `batch` concurrent requests."""
     r = json.loads(Path(req_path).read_text())
     if r["pin"]:  # before torch and vLLM start any thread: every thread inherits it
         os.sched_setaffinity(0, r["pin"])
@@ -77,9 +115,8 @@ def worker(req_path: str, out_path: str) -> None:
     llm.generate(r["prompts"][: r["batch"]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
 
     def counters():
-        c = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()
-             if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
-        return c
+        return {m.name: getattr(m, "value", 0) for m in llm.get_metrics()
+                if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
 
     before = counters()
     before_saguaro = saguaro_samples()
@@ -110,6 +147,7 @@ def worker(req_path: str, out_path: str) -> None:
         "ttft_s": statistics.mean(ttfts) if ttfts else None,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
         "acceptance_rate": accepted / dtoks if dtoks else None, "drafts": drafts,
+        "peak_memory_mb": peak_memory_mb(),
         **ssd_figures(sg),
     }))
 
@@ -128,7 +166,8 @@ def saguaro_samples() -> dict[str, float]:
 
 
 def ssd_figures(delta: dict[str, float]) -> dict:
-    """Hit rate (overall and per accepted depth), backups and pre-draft vs verification time of a run."""
+    """Drafter wait and compute per step; for SSD also the hit rate (overall and per accepted depth),
+    backups and pre-draft vs verification time of a run."""
     def total(name: str, label: str | None = None) -> float:
         return sum(v for k, v in delta.items()
                    if k.split("{")[0] == name and (label is None or label in k))
@@ -157,77 +196,161 @@ def ssd_figures(delta: dict[str, float]) -> dict:
     }
 
 
-def main() -> int:
+# ------------------------------------------------------------------------------------------ driver
+
+def machine_info() -> dict:
+    import importlib.metadata as md
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    versions = {}
+    for dist in ("vllm", "torch", "saguaro-vllm"):
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            versions[dist] = None
+    return {"cpu": cpu, "cpus": os.cpu_count(), "memory_gb": round(os.sysconf("SC_PAGE_SIZE")
+            * os.sysconf("SC_PHYS_PAGES") / 2**30, 1), "platform": platform.platform(),
+            "python": platform.python_version(), "versions": versions}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
-    p.add_argument("--models", choices=["raw", "cost"], default="raw",
-                   help="demo pair: raw trained models or their cost-matched versions")
-    p.add_argument("--target"), p.add_argument("--draft")
+    p.add_argument("--case", help="a named case of benchmarks/cases.json (its options; other flags override)")
+    p.add_argument("--name", help="result name: benchmarks/results/<date>-<name>.json (default from the case)")
+    p.add_argument("--models", choices=["raw", "cost"], default="cost",
+                   help="demo pair: its cost-matched models (default) or the raw trained ones")
+    p.add_argument("--target", help="any Hugging Face model directory (instead of the demo pair)")
+    p.add_argument("--draft", help="draft model directory for --target")
     p.add_argument("--engines", default="vllm-ar,vllm-draft_model,saguaro-sync,saguaro-async")
-    p.add_argument("--saguaro-options", default="{}", help="extra `saguaro` options (JSON) for saguaro-async")
-    p.add_argument("--batch-sizes", default="1")
-    p.add_argument("--temperatures", default="0")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--batch-sizes", default="1,2,4,8,16")
+    p.add_argument("--temperatures", default="0,0.7,1.0")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=2, help="groups of `batch` requests per run")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved repetitions of every run")
     p.add_argument("--k", type=int, default=5, help="K for Saguaro")
-    p.add_argument("--k-draft-model", type=int, default=5, help="K for vLLM draft_model")
-    p.add_argument("--target-cores", default="0", help="cores of the target in every engine (split placement)")
+    p.add_argument("--k-draft-model", default="3,5", help="Ks tried for vLLM draft_model (best reported)")
+    p.add_argument("--saguaro-options", default="{}", help="extra `saguaro` options (JSON) for saguaro-async")
+    p.add_argument("--target-cores", default="0", help="cores of the target in every engine")
     p.add_argument("--draft-cores", default="1", help="cores of the Saguaro drafter")
     p.add_argument("--placement", choices=["split", "equal"], default="split",
-                   help="split: every engine's target on --target-cores, the drafter on --draft-cores; "
-                        "equal: vLLM AR and draft_model use all cores (equal total cores)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 64 tokens")
-    p.add_argument("--timeout", type=float, default=1200)
-    a = p.parse_args()
+                   help="split: every target on --target-cores; equal: vLLM AR and draft_model use all cores")
+    p.add_argument("--quick", action="store_true", help="smoke run: batch 1, T=0, 1 prompt, 48 tokens, K=5")
+    p.add_argument("--sweep", action="store_true",
+                   help="sweep Saguaro async over --sweep-k x --sweep-budget x --sweep-scale (no other engines)")
+    p.add_argument("--sweep-k", default="5")
+    p.add_argument("--sweep-budget", default="auto", help="fanout_budget values ('auto' = sized from timings)")
+    p.add_argument("--sweep-scale", default="1", help="sampling_scale (C) values")
+    p.add_argument("--timeout", type=float, default=1800)
+    args = p.parse_args(argv)
+    if args.case:
+        cases = json.loads((Path(__file__).resolve().parent / "cases.json").read_text())
+        if args.case not in cases or args.case.startswith("_"):
+            p.error(f"--case {args.case!r}: not in benchmarks/cases.json "
+                    f"({', '.join(k for k in cases if not k.startswith('_'))})")
+        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:]) if a.startswith("--")}
+        for key, value in cases[args.case].items():
+            if key not in given:
+                setattr(args, key, value)
+        args.name = args.name or args.case
+    return args
+
+
+def build_runs(a: argparse.Namespace, draft: str) -> list[dict]:
+    """Every (round, case, engine) run, interleaved: all engines of a case within each round."""
+    target_cores = [int(c) for c in a.target_cores.split(",")]
+    draft_cores = [int(c) for c in a.draft_cores.split(",")]
+    cases = [(b, t) for b in map(int, a.batch_sizes.split(",")) for t in map(float, a.temperatures.split(","))]
+    options = json.loads(a.saguaro_options)
+    if a.sweep:
+        variants = []
+        for k, budget, scale in itertools.product(a.sweep_k.split(","), a.sweep_budget.split(","),
+                                                  a.sweep_scale.split(",")):
+            opts = {**options, "sampling_scale": float(scale)}
+            if budget != "auto":
+                opts["fanout_budget"] = int(budget)
+            spec = engine_specs(draft, [], int(k), opts, target_cores, draft_cores)["saguaro-async"]
+            variants.append((f"saguaro-async[k={k},budget={budget},C={scale}]", spec,
+                             {"k": int(k), "budget": budget, "scale": float(scale)}))
+    else:
+        specs = engine_specs(draft, [int(k) for k in a.k_draft_model.split(",")], a.k, options,
+                             target_cores, draft_cores)
+        wanted = a.engines.split(",")
+        variants = [(e, s, None) for e, s in specs.items() if engine_family(e) in wanted]
+    runs = []
+    for rnd, (b, t), (name, spec, sweep) in itertools.product(range(a.rounds), cases, variants):
+        vllm_engine = name.startswith("vllm-")
+        pin = target_cores if (vllm_engine and a.placement == "split") else None
+        runs.append({"engine": name, "round": rnd, "batch": b, "temperature": t, "spec": spec, "pin": pin,
+                     **({"sweep": sweep} if sweep else {})})
+    return runs
+
+
+def summarize(results: list[dict]) -> dict[str, dict]:
+    """Mean over rounds per (engine, batch, temperature)."""
+    keys = ("decode_tok_s_per_seq", "total_tok_s", "ttft_s", "mean_acceptance_length", "acceptance_rate",
+            "hit_rate", "predraft_ms", "verify_ms", "drafter_wait_ms")
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        groups.setdefault(f"{r['engine']}|b{r['batch']}|T{r['temperature']}", []).append(r)
+    out = {}
+    for key, rows in groups.items():
+        out[key] = {k: statistics.mean(r[k] for r in rows) if all(r.get(k) is not None for r in rows) else None
+                    for k in keys}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     if a.worker:
         worker(*a.worker)
         return 0
     if a.quick:
-        a.num_prompts, a.max_tokens = 2, 64
-    from saguaro_vllm.demo.build import ensure_demo_pair
-
+        a.batch_sizes, a.temperatures, a.num_prompts, a.max_tokens, a.k_draft_model = "1", "0", 1, 48, "5"
+        a.name = a.name or "quick"
     pair = None
     if not (a.target and a.draft):
+        from saguaro_vllm.demo.build import ensure_demo_pair
+
         pair = ensure_demo_pair(cost_matched=a.models == "cost")
     target = a.target or str(pair.target_cost if a.models == "cost" else pair.target)
     draft = a.draft or str(pair.draft_cost if a.models == "cost" else pair.draft)
-    prompts = pair.heldout_prompts(a.num_prompts * 16)[: a.num_prompts * 16] if pair else ["def main():"] * 64
-    target_cores = [int(c) for c in a.target_cores.split(",")]
-    draft_cores = [int(c) for c in a.draft_cores.split(",")]
-    specs = engine_specs(draft, a.k_draft_model, a.k, json.loads(a.saguaro_options), target_cores, draft_cores)
-    engines = a.engines.split(",")
-    cases = [(b, t) for b in map(int, a.batch_sizes.split(",")) for t in map(float, a.temperatures.split(","))]
+    max_batch = max(map(int, a.batch_sizes.split(",")))
+    prompts = pair.heldout_prompts(a.num_prompts * max_batch) if pair else ["def main():"] * (a.num_prompts * max_batch)
+    runs = build_runs(a, draft)
+    name = a.name or f"{a.models if pair else 'custom'}-{a.placement}" + ("-sweep" if a.sweep else "")
     results = []
-    jobs = [(rnd, b, t, e) for rnd in range(a.rounds) for (b, t) in cases for e in engines]
-    for rnd, b, t, e in tqdm(jobs, desc="engine runs"):
-        # Saguaro engines pin their target worker themselves (saguaro_vllm/placement.py) to target_cores.
-        pin = target_cores if (a.placement == "split" and e.startswith("vllm-")) else None
-        res = run_one(target, specs[e], prompts[: a.num_prompts * b], b, t, a.max_tokens, pin, a.timeout)
-        results.append({"engine": e, "round": rnd, "batch": b, "temperature": t, **res})
+    for run in tqdm(runs, desc="engine runs"):
+        res = run_one(target, run["spec"], prompts[: a.num_prompts * run["batch"]], run["batch"],
+                      run["temperature"], a.max_tokens, run["pin"], a.timeout)
+        results.append({k: v for k, v in run.items() if k != "spec"} | {"config": run["spec"]} | res)
         hit = f", hit rate {res['hit_rate']:.3f}" if res.get("hit_rate") is not None else ""
-        tqdm.write(f"{e:18s} batch={b} T={t}: {res['decode_tok_s_per_seq']:.1f} tok/s/seq, "
-                   f"accept len {res['mean_acceptance_length']}{hit}")
-    summary = {}
-    for e in engines:
-        for b, t in cases:
-            rows = [r for r in results if r["engine"] == e and r["batch"] == b and r["temperature"] == t]
-            summary[f"{e}|b{b}|T{t}"] = {k: statistics.mean(r[k] for r in rows) if rows[0][k] is not None
-                                         else None for k in ("decode_tok_s_per_seq", "total_tok_s",
-                                                             "mean_acceptance_length", "acceptance_rate")}
-    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": {
-        "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "target": target, "draft": draft, "placement": a.placement, "target_cores": target_cores,
-        "draft_cores": draft_cores, "max_tokens": a.max_tokens,
-        "k": a.k, "k_draft_model": a.k_draft_model, "results": results, "summary": summary}
+        acc = res["mean_acceptance_length"]
+        tqdm.write(f"{run['engine']:40s} batch={run['batch']:<2d} T={run['temperature']}: "
+                   f"{res['decode_tok_s_per_seq']:.2f} tok/s/seq"
+                   f"{f', accept len {acc:.2f}' if acc else ''}{hit}")
+    out = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "name": name, "machine": machine_info(),
+        "target": target, "draft": draft, "models": a.models if pair else "custom",
+        "demo_pair_stats": pair.stats if pair else None,
+        "placement": {"mode": a.placement, "target_cores": a.target_cores, "draft_cores": a.draft_cores,
+                      "rule": "split: every engine's target on target_cores (vLLM engines pinned whole, "
+                              "Saguaro pins its worker), Saguaro drafter on draft_cores; equal: vLLM AR "
+                              "and draft_model use all cores"},
+        "max_tokens": a.max_tokens, "num_prompts": a.num_prompts, "rounds": a.rounds, "k": a.k,
+        "k_draft_model": a.k_draft_model, "sweep": a.sweep, "command": " ".join(sys.argv),
+        "results": results, "summary": summarize(results),
+    }
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{datetime.date.today()}-{a.models}-b{a.batch_sizes.replace(',', '_')}.json"
+    path = RESULTS / f"{datetime.date.today()}-{name}.json"
     path.write_text(json.dumps(out, indent=1))
-    print(f"\n{'engine':18s} {'case':10s} {'tok/s/seq':>10s} {'accept len':>10s}")
-    for key, s in summary.items():
+    print(f"\n{'engine':40s} {'case':10s} {'tok/s/seq':>10s} {'accept len':>10s} {'hit rate':>9s}")
+    for key, s in out["summary"].items():
         e, b, t = key.split("|")
         acc = f"{s['mean_acceptance_length']:.2f}" if s["mean_acceptance_length"] else "-"
-        print(f"{e:18s} {b + ' ' + t:10s} {s['decode_tok_s_per_seq']:10.2f} {acc:>10s}")
+        hit = f"{s['hit_rate']:.3f}" if s["hit_rate"] is not None else "-"
+        print(f"{e:40s} {b + ' ' + t:10s} {s['decode_tok_s_per_seq']:10.2f} {acc:>10s} {hit:>9s}")
     print(f"saved {path}")
     return 0
 

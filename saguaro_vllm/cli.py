@@ -87,7 +87,28 @@ def _run_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.config) if args.config else REPO_CONFIG, max_tokens=args.max_tokens)
 
 
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    p.add_argument("args", nargs=argparse.REMAINDER, help="options of benchmarks/run.py (e.g. --quick, --case NAME)")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
+    if not script.exists():
+        print(f"saguaro-vllm bench: {script} not found; the benchmarks ship with the source checkout "
+              "(pip install -e . from a clone of the repository)", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(script), *args.args])
+
+
 SUBCOMMANDS: dict[str, tuple[str, AddArgs, Run]] = {
+    "bench": (
+        "side-by-side benchmark: vLLM AR, vLLM draft_model, Saguaro sync and async (benchmarks/run.py)",
+        _add_bench,
+        _run_bench,
+    ),
     "demo": (
         "serve the demo pair with Saguaro (vllm serve), send a completion and a chat request, print stats",
         _add_demo,

@@ -181,27 +181,49 @@ def size_budget(verify_s: float, cost: StepCostModel, batch_size: int, k: int, m
     return PreDraftPlan(0, 0)
 
 
-#: Modelling prior for `plan_predraft`: the chance that the best candidate of a depth is the bonus token
-#: (each further candidate catches this share of what is left).
+#: Prior of `RankEstimate`: the chance that the best candidate of a depth is the bonus token (each
+#: further candidate catching this share of what is left), until lookups have measured it.
 TOP1_HIT = 0.6
+#: Candidate ranks `RankEstimate` tells apart (rank >= this counts as "not among them").
+MAX_RANK = 16
 
 
-def expected_hit_rate(fanout: Sequence[int], alpha: float, top1: float = TOP1_HIT) -> float:
-    """P(hit) of a fan-out under the acceptance model: sum_j P(a=j) (1 - (1 - top1)^f_j)."""
+class RankEstimate:
+    """Where the real bonus token ranked among a depth's candidates (0 = the best one), as exponentially
+    decayed counts over past lookups. `hit_prob(f)` = P(rank < f): the hit rate of a depth given f
+    branches, measured instead of modelled (the prior fades like any observation)."""
+
+    def __init__(self, top1: float = TOP1_HIT, prior_weight: float = 4.0, decay: float = 0.97):
+        self.decay = decay
+        self.counts = [prior_weight * top1 * (1 - top1) ** r for r in range(MAX_RANK)]
+        self.counts.append(prior_weight - sum(self.counts))  # rank >= MAX_RANK
+
+    def observe(self, rank: int) -> None:
+        self.counts = [c * self.decay for c in self.counts]
+        self.counts[min(max(rank, 0), MAX_RANK)] += 1.0
+
+    def hit_prob(self, f: int) -> float:
+        total = sum(self.counts)
+        return sum(self.counts[: max(0, min(f, MAX_RANK))]) / total if total else 0.0
+
+
+def expected_hit_rate(fanout: Sequence[int], alpha: float, ranks: RankEstimate | None = None) -> float:
+    """P(hit) of a fan-out: sum_j P(a=j) P(rank < f_j), ranks from `ranks` (default: the prior)."""
+    ranks = ranks or RankEstimate()
     probs = depth_probs(alpha, len(fanout) - 1)
-    return sum(p * (1.0 - (1.0 - top1) ** f) for p, f in zip(probs, fanout, strict=True))
+    return sum(p * ranks.hit_prob(f) for p, f in zip(probs, fanout, strict=True))
 
 
 def plan_predraft(verify_s: float, cost: StepCostModel, batch_size: int, k: int, alpha: float,
-                  r: float = DEFAULT_R, max_branches: int = 64, top1: float = TOP1_HIT) -> PreDraftPlan:
+                  r: float = DEFAULT_R, max_branches: int = 64, ranks: RankEstimate | None = None) -> PreDraftPlan:
     """The pre-drafting plan (branches M per request, steps s) that saves the most critical-path draft
     steps: every feasible plan (glue + s steps over batch x M rows within `verify_s`) is scored by
     P(hit | M) x s, since a hit on a branch of s < K tokens still needs K - s steps on the critical path
-    and a miss needs K. Depth therefore beats width unless width raises the hit rate a lot.
+    and a miss needs K. P(hit | M) comes from the geometric allocation and the measured candidate ranks.
 
-    Worked example: steps cost 20 ms + 0.5 ms per row, K=5, alpha=0.7. With 170 ms to fill, 5 steps fit
-    19 branches. With 100 ms, 5 steps fit none, 4 steps fit 1 branch (score 0.18 x 4 with the default
-    prior), 3 steps fit 12 (score ~0.98 x 3): 12 branches of 3 steps.
+    Worked example (prior ranks, top-1 0.6): steps cost 20 ms + 0.5 ms per row, K=5, alpha=0.7. With
+    170 ms to fill, 5 steps fit 19 branches. With 100 ms, 5 steps fit none, 4 steps fit 1 branch (score
+    0.18 x 4), 3 steps fit 12 (score ~0.98 x 3): 12 branches of 3 steps.
 
     >>> plan_predraft(0.170, StepCostModel(0.020, 0.0005), batch_size=1, k=5, alpha=0.7)
     PreDraftPlan(branches=19, steps=5)
@@ -210,13 +232,14 @@ def plan_predraft(verify_s: float, cost: StepCostModel, batch_size: int, k: int,
     """
     if batch_size < 1 or k < 1 or max_branches < 1:
         raise ValueError(f"need batch_size, k, max_branches >= 1; got {batch_size}, {k}, {max_branches}")
+    ranks = ranks or RankEstimate()
     glue_s = cost.step_s(batch_size)
     best, best_score = PreDraftPlan(0, 0), 0.0
     for steps in range(k, 0, -1):
         for m in range(1, max_branches + 1):
             if glue_s + steps * cost.step_s(batch_size * m) > verify_s:
                 break
-            score = expected_hit_rate(allocate_fanout(m, alpha, k, r), alpha, top1) * steps
+            score = expected_hit_rate(allocate_fanout(m, alpha, k, r), alpha, ranks) * steps
             if score > best_score + 1e-9:
                 best, best_score = PreDraftPlan(m, steps), score
     return best

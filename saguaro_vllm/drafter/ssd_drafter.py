@@ -31,7 +31,9 @@ from saguaro_vllm.drafter.backup import BackupInputs, choose_backup, ngram_draft
 from saguaro_vllm.drafter.branches import BranchRoot, BranchRun
 from saguaro_vllm.drafter.kv_cache import OutOfBlocksError
 from saguaro_vllm.drafter.predictor import (
+    MAX_RANK,
     OutcomePredictor,
+    RankEstimate,
     PreDraftPlan,
     StepCostModel,
     allocate_fanout,
@@ -46,8 +48,9 @@ from saguaro_vllm.transport import StepRequest, StepResponse
 
 logger = logging.getLogger("saguaro_vllm.drafter")
 
-#: Share of the measured verification time the pre-draft plan may fill (the rest absorbs jitter).
-PLAN_SAFETY = 0.85
+#: Share of the measured verification time the pre-draft plan may fill (the rest absorbs jitter; an
+#: overrun costs at most the forward in flight, the rest of a cut-short branch becomes a top-up).
+PLAN_SAFETY = 0.95
 #: Forward timings kept for the step-cost model.
 COST_SAMPLES = 64
 #: Smoothing of the measured verification time.
@@ -65,6 +68,9 @@ class _Sent:
     drafts: list[int]
     fast: bool  # drafts from the n-gram backup (their own acceptance estimate and fan-out)
     round_id: int = 0
+    #: per depth, the best candidate tokens in order (x_{j+1} excluded): where the real bonus token
+    #: ranks among them feeds the planner's `RankEstimate`
+    ranked: list[list[int]] | None = None
 
 
 @dataclasses.dataclass
@@ -81,12 +87,19 @@ class SSDStats:
     alpha: float = 0.0  # acceptance estimate of neural drafts
 
 
+def _ranked(scores: torch.Tensor, drafts) -> list[list[int]]:
+    """Per depth j, the MAX_RANK best tokens of its bonus distribution, x_{j+1} excluded for j < K."""
+    top = torch.topk(scores.float(), min(MAX_RANK + 1, scores.shape[-1]), dim=-1).indices.tolist()
+    return [[t for t in row if j >= len(drafts) or t != drafts[j]][:MAX_RANK] for j, row in enumerate(top)]
+
+
 class SSDDrafter(SyncDrafter):
     def __init__(self, runner: DraftModelRunner, vocab_size: int, options: dict):
         super().__init__(runner, vocab_size, keep_logits=True)
         self.opts = options
         self.cache = SpeculationCache(release=self._release)
         self.predictor = OutcomePredictor()
+        self.ranks = RankEstimate()
         self._sent: dict[str, _Sent] = {}
         self._work: Iterator[None] | None = None
         self._costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=COST_SAMPLES)
@@ -174,6 +187,9 @@ class SSDDrafter(SyncDrafter):
                 if outcome is not None:
                     depth[i] = outcome.accepted
                     self.predictor.observe(outcome.accepted, len(sent.drafts), fast_backup=sent.fast)
+                    if sent.ranked is not None and not sent.fast:
+                        ranked = sent.ranked[outcome.accepted]
+                        self.ranks.observe(ranked.index(outcome.bonus) if outcome.bonus in ranked else MAX_RANK)
             else:
                 self.cache.drop(row.req_id)
                 status[i] = NEW
@@ -322,7 +338,7 @@ class SSDDrafter(SyncDrafter):
         if cost is None or self._verify_s is None:
             return PreDraftPlan(k + 1, k)  # one branch per depth until timings are known
         plan = plan_predraft(PLAN_SAFETY * self._verify_s, cost, batch, k, self.predictor.neural.alpha,
-                             max_branches=int(self.opts.get("max_fanout_budget", 32)))
+                             max_branches=int(self.opts.get("max_fanout_budget", 32)), ranks=self.ranks)
         if plan.branches == 0:  # not even one branch per depth fits one step: the most likely outcomes only
             return PreDraftPlan(max(1, min(2, k + 1)), 1)
         return plan
@@ -351,6 +367,7 @@ class SSDDrafter(SyncDrafter):
             stats.budget, stats.plan_steps = plan.branches, plan.steps
             candidates = []
             for root, sc in zip(roots, scores, strict=True):
+                self._sent[root.req_id].ranked = _ranked(sc, root.drafts)
                 fan = self._fanout_for(self._sent[root.req_id], plan.branches)
                 if not self._sent[root.req_id].fast:
                     self._fanout = fan

@@ -1,0 +1,269 @@
+"""Turn `benchmarks/results/*.json` (from run.py) into `docs/benchmarks.md` and PNG plots in `docs/img/`.
+
+The newest result of each name is reported (older ones stay in `benchmarks/results/` for the record).
+Hand-written analysis lives in `benchmarks/notes.md` and is included verbatim; everything else on the page
+is computed from the results, including the check against the bars of the benchmark issue.
+
+    .venv/bin/python benchmarks/report.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+NOTES = ROOT / "benchmarks" / "notes.md"
+PAGE = ROOT / "docs" / "benchmarks.md"
+IMG = ROOT / "docs" / "img"
+ORDER = ["vllm-ar", "vllm-draft_model", "saguaro-sync", "saguaro-async"]
+LABEL = {"vllm-ar": "vLLM AR", "vllm-draft_model": "vLLM `draft_model`", "saguaro-sync": "Saguaro `sync`",
+         "saguaro-async": "Saguaro `async` (SSD)"}
+
+
+def load_latest() -> list[dict]:
+    """The newest end-to-end result file of each name (files of other shapes, e.g. ops timings, skipped)."""
+    latest: dict[str, dict] = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        if "name" not in data or not data.get("results") or "engine" not in data["results"][0]:
+            continue
+        data["_file"] = path.name
+        if data["name"] not in latest or data["date"] >= latest[data["name"]]["date"]:
+            latest[data["name"]] = data
+    return sorted(latest.values(), key=lambda d: d["name"])
+
+
+def family(engine: str) -> str:
+    return engine.rsplit("-k", 1)[0] if engine.startswith("vllm-draft_model-k") else engine
+
+
+def mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def table_rows(data: dict) -> dict[tuple[int, float], dict[str, dict]]:
+    """(batch, temperature) -> engine family -> figures averaged over rounds; `vllm-draft_model` is its
+    best K (by decode tokens/s per sequence), with that K noted."""
+    cells: dict[tuple[int, float], dict[str, list[dict]]] = {}
+    for r in data["results"]:
+        cells.setdefault((r["batch"], r["temperature"]), {}).setdefault(r["engine"], []).append(r)
+    out = {}
+    for case, engines in sorted(cells.items()):
+        row: dict[str, dict] = {}
+        for engine, runs in engines.items():
+            fig = {k: mean(r.get(k) for r in runs) for k in (
+                "decode_tok_s_per_seq", "total_tok_s", "ttft_s", "mean_acceptance_length", "acceptance_rate",
+                "hit_rate", "predraft_ms", "verify_ms", "drafter_wait_ms")}
+            fig["engine"] = engine
+            fig["peak_mb"] = mean(sum((r.get("peak_memory_mb") or {}).values()) or None for r in runs)
+            fig["backups"] = runs[-1].get("backups")
+            fam = family(engine)
+            if fam not in row or (fig["decode_tok_s_per_seq"] or 0) > (row[fam]["decode_tok_s_per_seq"] or 0):
+                row[fam] = fig
+        out[case] = row
+    return out
+
+
+def fmt(v, spec=".2f", dash="-"):
+    return dash if v is None else format(v, spec)
+
+
+def case_table(data: dict, rows) -> list[str]:
+    lines = ["| batch | T | engine | tok/s per seq | total tok/s | vs AR | TTFT s | accept len | accept rate "
+             "| hit rate | pre-draft / verify ms | peak MB |", "|" + "---:|" * 2 + "---|" + "---:|" * 9]
+    for (b, t), engines in rows.items():
+        ar = engines.get("vllm-ar", {}).get("decode_tok_s_per_seq")
+        for fam in ORDER:
+            f = engines.get(fam)
+            if not f:
+                continue
+            name = LABEL[fam] + (f" K={f['engine'].rsplit('-k', 1)[1]}" if fam == "vllm-draft_model" else "")
+            speed = f["decode_tok_s_per_seq"]
+            pre = f"{fmt(f['predraft_ms'], '.0f')} / {fmt(f['verify_ms'], '.0f')}" if f["predraft_ms"] else "-"
+            lines.append(f"| {b} | {t:g} | {name} | {fmt(speed)} | {fmt(f['total_tok_s'])} | "
+                         f"{fmt(speed / ar if ar and speed else None, '.2f')}x | {fmt(f['ttft_s'])} | "
+                         f"{fmt(f['mean_acceptance_length'])} | {fmt(f['acceptance_rate'])} | "
+                         f"{fmt(f['hit_rate'], '.3f')} | {pre} | {fmt(f['peak_mb'], '.0f')} |")
+    return lines
+
+
+def bars(rows) -> list[str]:
+    """The benchmark issue's bars, checked on this result (batch 1, T=0 unless stated)."""
+    out = []
+    b1t0 = rows.get((1, 0.0), {})
+    ssd, dm, sync = (b1t0.get(k, {}).get("decode_tok_s_per_seq") for k in
+                     ("saguaro-async", "vllm-draft_model", "saguaro-sync"))
+    if ssd and dm:
+        out.append(f"- SSD >= 1.5x vLLM `draft_model` (batch 1, T=0): {ssd / dm:.2f}x, "
+                   f"{'met' if ssd / dm >= 1.5 else '**not met**'}")
+    if ssd and sync:
+        out.append(f"- SSD >= 1.3x Saguaro `sync` (batch 1, T=0): {ssd / sync:.2f}x, "
+                   f"{'met' if ssd / sync >= 1.3 else '**not met**'}")
+    for t, bar in ((0.0, 0.85), (1.0, 0.6)):
+        hits = [e["saguaro-async"]["hit_rate"] for (b, tt), e in rows.items()
+                if b == 1 and tt == t and e.get("saguaro-async", {}).get("hit_rate") is not None]
+        if hits:
+            out.append(f"- hit rate >= {bar} at T={t:g} (batch 1): {hits[0]:.3f}, "
+                       f"{'met' if hits[0] >= bar else '**not met**'}")
+    slower = [(b, t, e["saguaro-async"]["decode_tok_s_per_seq"] / e["saguaro-sync"]["decode_tok_s_per_seq"])
+              for (b, t), e in rows.items() if "saguaro-async" in e and "saguaro-sync" in e
+              and e["saguaro-sync"]["decode_tok_s_per_seq"]]
+    if slower:
+        worst = min(slower, key=lambda x: x[2])
+        out.append(f"- SSD never slower than `sync` ({len(slower)} cases): worst {worst[2]:.2f}x at batch "
+                   f"{worst[0]}, T={worst[1]:g}, {'met' if worst[2] >= 1.0 else '**not met**'}")
+    return out
+
+
+def plots(data: dict, rows) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    IMG.mkdir(parents=True, exist_ok=True)
+    made = []
+    name = data["name"]
+    temps = sorted({t for _, t in rows})
+    batches = sorted({b for b, _ in rows})
+    if len(batches) > 1:
+        fig, axes = plt.subplots(1, len(temps), figsize=(4.5 * len(temps), 3.6), squeeze=False)
+        for ax, t in zip(axes[0], temps):
+            for fam in ORDER:
+                pts = [(b, rows[(b, t)][fam]["decode_tok_s_per_seq"]) for b in batches
+                       if (b, t) in rows and fam in rows[(b, t)]]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=LABEL[fam].replace("`", ""))
+            ax.set(title=f"T={t:g}", xlabel="batch size", ylabel="decode tok/s per sequence", xscale="log")
+            ax.set_xticks(batches, [str(b) for b in batches])
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(IMG / f"{name}-throughput.png", dpi=110)
+        plt.close(fig)
+        made.append((f"{name}-throughput.png", "decode tokens/s per sequence vs batch size"))
+    # Speedup over AR per case.
+    cases = [c for c in rows if "vllm-ar" in rows[c]]
+    if cases:
+        fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(cases) + 2), 3.6))
+        width = 0.8 / 3
+        for i, fam in enumerate(ORDER[1:]):
+            xs = [j + (i - 1) * width for j, c in enumerate(cases) if fam in rows[c]]
+            ys = [rows[c][fam]["decode_tok_s_per_seq"] / rows[c]["vllm-ar"]["decode_tok_s_per_seq"]
+                  for c in cases if fam in rows[c]]
+            ax.bar(xs, ys, width, label=LABEL[fam].replace("`", ""))
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(range(len(cases)), [f"b{b} T{t:g}" for b, t in cases], rotation=30)
+        ax.set(ylabel="speedup over vLLM AR")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(IMG / f"{name}-speedup.png", dpi=110)
+        plt.close(fig)
+        made.append((f"{name}-speedup.png", "speedup over vLLM AR"))
+    if len(temps) > 1:
+        fig, ax = plt.subplots(figsize=(5, 3.6))
+        for b in batches:
+            pts = [(t, rows[(b, t)]["saguaro-async"]) for t in temps if "saguaro-async" in rows.get((b, t), {})]
+            if pts:
+                ax.plot([t for t, _ in pts], [f["hit_rate"] for _, f in pts], marker="o", label=f"hit rate b{b}")
+                ax.plot([t for t, _ in pts], [f["acceptance_rate"] for _, f in pts], marker="s", ls="--",
+                        label=f"acceptance rate b{b}")
+        ax.set(xlabel="temperature", ylabel="rate", ylim=(0, 1))
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(IMG / f"{name}-temperature.png", dpi=110)
+        plt.close(fig)
+        made.append((f"{name}-temperature.png", "SSD hit rate and acceptance vs temperature"))
+    return made
+
+
+def sweep_section(data: dict) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in data["results"] if r.get("sweep")]
+    lines = ["| K | budget | C | T | tok/s per seq | accept len | accept rate | hit rate |", "|---:" * 8 + "|"]
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        s = r["sweep"]
+        groups.setdefault((s["k"], s["budget"], s["scale"], r["temperature"], r["batch"]), []).append(r)
+    pts = []
+    for (k, budget, c, t, b), rs in sorted(groups.items(), key=lambda x: (x[0][0], str(x[0][1]), -x[0][2])):
+        f = {key: mean(r.get(key) for r in rs) for key in
+             ("decode_tok_s_per_seq", "mean_acceptance_length", "acceptance_rate", "hit_rate")}
+        lines.append(f"| {k} | {budget} | {c:g} | {t:g} | {fmt(f['decode_tok_s_per_seq'])} | "
+                     f"{fmt(f['mean_acceptance_length'])} | {fmt(f['acceptance_rate'])} | {fmt(f['hit_rate'], '.3f')} |")
+        pts.append((c, f["acceptance_rate"], f["hit_rate"], k, budget))
+    IMG.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    for key in sorted({(k, str(bu)) for _, _, _, k, bu in pts}):
+        sel = [(c, a, h) for c, a, h, k, bu in pts if (k, str(bu)) == key and a is not None and h is not None]
+        if sel:
+            ax.plot([a for _, a, _ in sel], [h for _, _, h in sel], marker="o", label=f"K={key[0]}, budget={key[1]}")
+            for c, a, h in sel:
+                ax.annotate(f"C={c:g}", (a, h), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set(xlabel="acceptance rate", ylabel="speculation-cache hit rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    img = f"{data['name']}-sweep.png"
+    fig.savefig(IMG / img, dpi=110)
+    plt.close(fig)
+    return lines + ["", f"![acceptance vs hit rate as C varies](img/{img})"]
+
+
+def render(results: list[dict]) -> str:
+    out = ["# Benchmarks", "",
+           "Generated by `benchmarks/report.py` from `benchmarks/results/*.json` (written by "
+           "`benchmarks/run.py`); the newest result of each name is shown. Reproduce from scratch on a fresh "
+           "clone, after `make setup`: `make bench` (runs the cases below, then this report).", ""]
+    for data in results:
+        m = data["machine"]
+        out += [f"## {data['name']} ({data['date'][:10]})", "",
+                f"- command: `{data['command']}`",
+                f"- machine: {m['cpu']}, {m['cpus']} cores, {m['memory_gb']} GiB; {m['platform']}; versions "
+                + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
+                f"- models: {data['models']} (`{data['target']}` / `{data['draft']}`)",
+                f"- placement: {data['placement']['mode']}: {data['placement']['rule']} "
+                f"(target cores {data['placement']['target_cores']}, drafter cores "
+                f"{data['placement']['draft_cores']})",
+                f"- {data['num_prompts']} groups of `batch` concurrent requests per run, {data['max_tokens']} "
+                f"output tokens each (ignore_eos), {data['rounds']} interleaved round(s); Saguaro K={data['k']}, "
+                f"`draft_model` K tried: {data['k_draft_model']} (best shown)", ""]
+        if data.get("sweep"):
+            out += sweep_section(data) + [""]
+            continue
+        rows = table_rows(data)
+        out += case_table(data, rows) + [""]
+        checks = bars(rows)
+        if checks:
+            out += ["Bars of the benchmark issue on this result:", ""] + checks + [""]
+        for img, caption in plots(data, rows):
+            out += [f"![{caption}](img/{img})", ""]
+    if NOTES.exists():
+        out += [NOTES.read_text().rstrip(), ""]
+    out += ["## Custom ops (CPU)", "", "See [ops.md](ops.md) for the ops measured against their plain-torch "
+            "references (`benchmarks/bench_ops.py`).", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__).parse_args(argv)
+    results = load_latest()
+    if not results:
+        print(f"no end-to-end results in {RESULTS}; run benchmarks/run.py first", file=sys.stderr)
+        return 1
+    PAGE.write_text(render(results))
+    print(f"wrote {PAGE} from {', '.join(d['_file'] for d in results)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The benchmark harness without engines: cases are data, runs interleave engines within each round, the
+report picks draft_model's best K, checks the bars and draws its plots."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+run = _load("run")
+report = _load("report")
+
+
+def test_cases_are_valid_run_options():
+    cases = json.loads((ROOT / "benchmarks" / "cases.json").read_text())
+    for name in (k for k in cases if not k.startswith("_")):
+        args = run.parse_args(["--case", name])
+        assert args.name == name
+        for key, value in cases[name].items():
+            assert getattr(args, key) == value
+
+
+def test_runs_interleave_engines_and_pin_only_vllm_engines_in_split_placement():
+    args = run.parse_args(["--batch-sizes", "1,4", "--temperatures", "0", "--rounds", "2", "--k-draft-model", "3,5"])
+    runs = run.build_runs(args, "/draft")
+    engines = ["vllm-ar", "vllm-draft_model-k3", "vllm-draft_model-k5", "saguaro-sync", "saguaro-async"]
+    assert [r["engine"] for r in runs] == engines * 4
+    assert [r["round"] for r in runs] == [0] * 10 + [1] * 10
+    assert all((r["pin"] == [0]) == r["engine"].startswith("vllm-") for r in runs)
+    assert runs[-1]["spec"]["saguaro"] == {"mode": "async", "log_interval_s": 0, "target_cores": [0],
+                                          "draft_cores": [1]}
+    equal = run.build_runs(run.parse_args(["--placement", "equal", "--batch-sizes", "1"]), "/d")
+    assert all(r["pin"] is None for r in equal)
+
+
+def test_sweep_runs_only_async_variants():
+    args = run.parse_args(["--sweep", "--sweep-k", "4,5", "--sweep-scale", "1,0.5", "--batch-sizes", "1",
+                           "--temperatures", "1"])
+    runs = run.build_runs(args, "/d")
+    assert len(runs) == 4 and all(r["engine"].startswith("saguaro-async[") for r in runs)
+    assert {r["spec"]["num_speculative_tokens"] for r in runs} == {4, 5}
+    assert {r["spec"]["saguaro"]["sampling_scale"] for r in runs} == {1.0, 0.5}
+
+
+def _result(engine, b, t, speed, **extra):
+    return {"engine": engine, "round": 0, "batch": b, "temperature": t, "decode_tok_s_per_seq": speed,
+            "total_tok_s": speed * b, "ttft_s": 0.5, "mean_acceptance_length": 3.0 if engine != "vllm-ar" else None,
+            "acceptance_rate": 0.6, "peak_memory_mb": {"engine": 1000.0}, **extra}
+
+
+def test_report_tables_bars_and_plots(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "IMG", tmp_path / "img")
+    monkeypatch.setattr(report, "NOTES", tmp_path / "none.md")
+    results = []
+    for b in (1, 4):
+        for t in (0.0, 1.0):
+            results += [_result("vllm-ar", b, t, 6.0), _result("vllm-draft_model-k3", b, t, 11.0),
+                        _result("vllm-draft_model-k5", b, t, 12.0), _result("saguaro-sync", b, t, 12.5),
+                        _result("saguaro-async", b, t, 17.0 if t == 0 else 12.0, hit_rate=0.9 if t == 0 else 0.5,
+                                predraft_ms=150.0, verify_ms=180.0)]
+    data = {"name": "unit", "date": "2026-12-02T00:00:00", "command": "run.py", "models": "cost",
+            "target": "/t", "draft": "/d", "num_prompts": 1, "max_tokens": 8, "rounds": 1, "k": 5,
+            "k_draft_model": "3,5", "machine": {"cpu": "x", "cpus": 2, "memory_gb": 24, "platform": "linux",
+                                                "versions": {"vllm": "0.32.0"}},
+            "placement": {"mode": "split", "rule": "r", "target_cores": "0", "draft_cores": "1"},
+            "results": results}
+    page = report.render([data])
+    assert "| 1 | 0 | vLLM `draft_model` K=5 | 12.00 |" in page  # the best K is shown
+    assert "SSD >= 1.5x vLLM `draft_model` (batch 1, T=0): 1.42x, **not met**" in page
+    assert "SSD >= 1.3x Saguaro `sync` (batch 1, T=0): 1.36x, met" in page
+    assert "hit rate >= 0.6 at T=1 (batch 1): 0.500, **not met**" in page
+    assert "worst 0.96x" in page
+    for img in ("unit-throughput.png", "unit-speedup.png", "unit-temperature.png"):
+        assert (tmp_path / "img" / img).stat().st_size > 1000 and f"img/{img}" in page
+
+
+def test_sweep_report(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "IMG", tmp_path / "img")
+    results = [_result("saguaro-async[k=5,budget=auto,C=%g]" % c, 1, 1.0, 10.0, hit_rate=h,
+                       sweep={"k": 5, "budget": "auto", "scale": c})
+               for c, h in ((1.0, 0.5), (0.5, 0.6), (0.25, 0.7))]
+    lines = report.sweep_section({"name": "sw", "results": results})
+    assert len([line for line in lines if line.startswith("| 5 | auto |")]) == 3
+    assert (tmp_path / "img" / "sw-sweep.png").exists()
+
+
+@pytest.mark.parametrize("argv", [["--case", "nope"]])
+def test_unknown_case_is_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        run.parse_args(argv)
+    assert "not in benchmarks/cases.json" in capsys.readouterr().err
