@@ -49,6 +49,28 @@ timeout 300 "$py" -m pytest -q -p no:cacheprovider tests/test_ops_branch_attenti
     tests/test_ops_proposal.py tests/test_ops_build.py 2>&1 | tee "$out/device-tests.log" | tail -n 25
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
+step "Triton branch attention vs the CUDA op and the reference (bf16, batch 16 x 24 branches, prefix 1000)"
+timeout 120 "$py" - <<'PY' 2>&1 | tee "$out/device-triton.log" || status=1
+import sys, time, torch
+sys.path.insert(0, "tests")
+from test_ops_branch_attention import make_case
+from saguaro_vllm.ops import branch_attention, reference
+from saguaro_vllm.ops.triton_attention import branch_attention as triton_attention
+args = make_case(16, 24, [1000, 257], 16, 5, 32, 8, 64, torch.bfloat16, "cuda", seed=0)
+ref = reference.branch_attention(**args).float()
+for name, fn in (("cuda op", branch_attention), ("triton", triton_attention)):
+    out = fn(**args).float()
+    err = ((out - ref).abs() / (1 + ref.abs())).max().item()
+    for _ in range(3):
+        fn(**args)
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(20):
+        fn(**args)
+    torch.cuda.synchronize()
+    print(f"{name}: {1e3 * (time.perf_counter() - t) / 20:.3f} ms per call, max rel err {err:.2e}")
+    assert err < 2e-2, name
+PY
+
 step "drafter round on a random Llama-3.2-1B-shaped draft (bf16, CUDA)"
 timeout 240 "$py" benchmarks/bench_ops.py --round llama-3.2-1b --device cuda --dtype bfloat16 \
     --temperature 0.8 --reps 5 --out "$out" 2>&1 | tee "$out/device-round.log" || status=1

@@ -118,6 +118,12 @@ class SaguaroOptions(BaseModel):
             raise ValueError("must be one of 8, 16, 32, 64, 128")
         return v
 
+    sampling_scale_tokens: Literal["fanout", "fanout+1"] = Field(
+        "fanout",
+        description="`async` only: which top tokens Saguaro sampling scales by C: the top F (F = that "
+        "depth's fan-out, as in the paper) or the top F+1 (as in the authors' code).",
+    )
+
     @field_validator("sampling_scale")
     @classmethod
     def _scale(cls, v: float) -> float:

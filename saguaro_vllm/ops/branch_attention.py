@@ -13,6 +13,7 @@ Example: N_r = 3, K = 2, a depth-1 branch at step 1 sees prefix slots of positio
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,12 @@ def branch_attention(
     [Q, S] (S <= 62) int; depth + step <= 62. The kernels accumulate in fp32; the query is cast to the cache dtype.
     """
     q = query.to(kv_cache.dtype)
+    if query.device.type == "cuda" and os.environ.get("SAGUARO_ATTENTION") == "triton":
+        from saguaro_vllm.ops import triton_attention
+
+        return triton_attention.branch_attention(
+            q, kv_cache, block_tables, prefix_lens, owners, depths, steps, branch_slots, scale
+        ).to(query.dtype)
     if loader.use_compiled(query.device):
         out = torch.ops.saguaro.branch_attention(
             q, kv_cache, block_tables, prefix_lens, owners, depths, steps, branch_slots, float(scale)
