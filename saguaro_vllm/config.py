@@ -89,7 +89,8 @@ class SaguaroOptions(BaseModel):
     miss_fanout: list[int] | None = Field(
         None,
         description="`async` only: fixed fan-out per depth (K+1 numbers) for rounds whose drafts came from "
-        "the n-gram backup. Default: computed online from the backup's own acceptance estimate.",
+        "the n-gram backup. Default: `fanout` when that is set, else computed online from the backup's own "
+        "acceptance estimate.",
     )
     backup: Literal["auto", "jit", "ngram"] = Field(
         "auto",

@@ -56,6 +56,10 @@ def _prometheus() -> dict:
             "backups": prometheus_client.Counter(
                 "vllm:saguaro_backups", "Cache misses answered by a backup (mode async), by kind (jit, ngram).",
                 labelnames=["kind"]),
+            "dropped": prometheus_client.Counter(
+                "vllm:saguaro_branches_dropped",
+                "Pre-draft candidates left out because the drafter's KV cache was full (mode async); "
+                "raise saguaro.kv_cache_gb if this grows."),
             "budget": prometheus_client.Gauge(
                 "vllm:saguaro_fanout_budget",
                 "Pre-drafted branches per request planned in the last round (mode async).",
@@ -88,7 +92,7 @@ class SaguaroMetrics:
         self.hits_by_depth: dict[str, int] = {}
         self.backups: dict[str, int] = {"jit": 0, "ngram": 0}
         self.predraft_s = self.verify_s = 0.0
-        self.predraft_rounds = self.predraft_done = 0
+        self.predraft_rounds = self.predraft_done = self.dropped = 0
         self.budget = 0
         self._last_log = time.monotonic()
         self._window = [0, 0.0, 0.0, 0, 0, 0]  # steps, round trip, compute, draft tokens, lookups, hits
@@ -146,8 +150,10 @@ class SaguaroMetrics:
             self.predraft_done += int(bool(ssd.get("predraft_done")))
             self.predraft_s += float(ssd.get("predraft_s", 0.0))
             self.verify_s += float(ssd.get("verify_s", 0.0))
+            self.dropped += int(ssd.get("dropped", 0))
             if prom:
                 prom["budget"].set(self.budget)
+                prom["dropped"].inc(int(ssd.get("dropped", 0)))
                 prom["predraft"].observe(float(ssd.get("predraft_s", 0.0)))
                 prom["verify"].observe(float(ssd.get("verify_s", 0.0)))
 
@@ -183,5 +189,5 @@ class SaguaroMetrics:
             "lookups_by_depth": dict(self.lookups_by_depth), "hits_by_depth": dict(self.hits_by_depth),
             "backups": dict(self.backups), "fanout_budget": self.budget,
             "predraft_s": self.predraft_s, "verify_s": self.verify_s, "predraft_rounds": self.predraft_rounds,
-            "predraft_done": self.predraft_done,
+            "predraft_done": self.predraft_done, "branches_dropped": self.dropped,
         }

@@ -82,7 +82,7 @@ def test_report_tables_bars_and_plots(tmp_path, monkeypatch):
     assert "SSD >= 1.5x vLLM `draft_model` (batch 1, T=0): 1.42x, **not met**" in page
     assert "SSD >= 1.3x Saguaro `sync` (batch 1, T=0): 1.36x, met" in page
     assert "hit rate >= 0.6 at T=1 (batch 1): 0.500, **not met**" in page
-    assert "worst 0.96x" in page
+    assert "worst 0.960x" in page
     for img in ("unit-throughput.png", "unit-speedup.png", "unit-temperature.png"):
         assert (tmp_path / "img" / img).stat().st_size > 1000 and f"img/{img}" in page
 

@@ -133,3 +133,16 @@ def test_sampled_rows_carry_their_proposal(draft_model):
     assert depth_k
     resp = drafter.step(StepRequest(2, [RowUpdate("s", len(ctx), drafts + [depth_k[0]], K)], []))
     assert resp.row_status == ["hit"] and resp.probs[0].shape[0] == K and resp.row_depth == [K]
+
+
+def test_fixed_fanout_applies_to_ngram_rounds_and_short_drafts(draft_model):
+    from saguaro_vllm.drafter.ssd_drafter import _Sent
+
+    drafter = make_drafter(draft_model, fanout=[2, 1, 1, 1, 3])
+    assert drafter._fanout_for(_Sent(10, [1, 2, 3, 4], fast=True), 99) == [2, 1, 1, 1, 3]
+    assert drafter._fanout_for(_Sent(10, [1, 2], fast=True), 99) == [2, 1, 3]  # depths 0..k-1, then the last
+    own = make_drafter(draft_model, fanout=[2, 1, 1, 1, 3], miss_fanout=[4, 0, 0, 0, 1])
+    assert own._fanout_for(_Sent(10, [1, 2, 3, 4], fast=True), 99) == [4, 0, 0, 0, 1]
+    assert own._fanout_for(_Sent(10, [1, 2, 3, 4], fast=False), 99) == [2, 1, 1, 1, 3]
+    auto = make_drafter(draft_model)
+    assert sum(auto._fanout_for(_Sent(10, [1, 2, 3, 4], fast=False), 7)) == 7

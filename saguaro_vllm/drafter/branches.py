@@ -152,6 +152,8 @@ class BranchRun:
         groups = _admit(runner, roots, candidates, steps)
         # (steps wanted, context length, branch), grouped by root
         self._flat = [(steps[r], roots[r].context_len, b) for r, group in enumerate(groups) for b in group]
+        #: candidates left out because the KV cache had no room for them
+        self.dropped = sum(len(c) for c in candidates) - len(self._flat)
         self._logits: list[list[torch.Tensor]] = [[] for _ in self._flat]
         self._probs: list[list[torch.Tensor]] = [[] for _ in self._flat]
         self.steps_done = 0

@@ -87,6 +87,7 @@ class SSDStats:
     branches: int = 0  # branches cached for this step's lookups
     backup: str = ""  # jit | ngram: what this step's misses got
     alpha: float = 0.0  # acceptance estimate of neural drafts
+    dropped: int = 0  # candidates of that pre-draft left out for lack of KV blocks
 
 
 def _ranked(scores: torch.Tensor, drafts) -> list[list[int]]:
@@ -363,9 +364,9 @@ class SSDDrafter(SyncDrafter):
 
     def _fanout_for(self, sent: _Sent, budget: int) -> list[int]:
         k = len(sent.drafts)
-        fixed = self.opts.get("miss_fanout" if sent.fast else "fanout")
-        if fixed and len(fixed) == k + 1:
-            return list(fixed)
+        fixed = (self.opts.get("miss_fanout") if sent.fast else None) or self.opts.get("fanout")
+        if fixed:  # a round with fewer than K drafts (n-gram) keeps the list's depths 0..k-1 and its last
+            return list(fixed[:k]) + [fixed[-1]] if len(fixed) != k + 1 else list(fixed)
         return self.predictor.fanout(budget, k, fast_backup=sent.fast)
 
     def _predraft_rounds(self, req_ids: list[str]) -> Iterator[None]:
@@ -394,6 +395,7 @@ class SSDDrafter(SyncDrafter):
             run = BranchRun(self.runner, roots, candidates, num_steps=plan.steps, propose=self._propose_branches,
                             keep_logits=True, vocab_size=self.vocab_size)
             self._run = run
+            stats.dropped = run.dropped
             while not run.done:
                 s0 = time.perf_counter()
                 rows = run.live_rows
