@@ -14,7 +14,7 @@ The fused op in `saguaro_vllm.ops` (one query per branch, scratch slots) is the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,8 +58,21 @@ class Branch:
     bonus: int
     seq_id: str
     tokens: list[int]
-    logits: torch.Tensor | None = None  # [steps, vocab] fp32, with keep_logits: next round's depth dists
-    probs: torch.Tensor | None = None  # [steps, vocab] proposal probabilities, for sampled proposals
+    #: per step, with keep_logits: the fp32 logits [vocab] (next round's depth distributions) and, for
+    #: sampled proposals, the proposal probabilities; kept as lists (stacking every branch's rows would
+    #: cost time on the critical path when a pre-draft is cut short; only the hit's are ever used)
+    logit_rows: list[torch.Tensor] = field(default_factory=list)
+    prob_rows: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """`[steps, vocab]` fp32 logits, or None without keep_logits."""
+        return torch.stack(self.logit_rows) if self.logit_rows else None
+
+    @property
+    def probs(self) -> torch.Tensor | None:
+        """`[steps, vocab]` proposal probabilities, or None for greedy proposals."""
+        return torch.stack(self.prob_rows) if self.prob_rows else None
 
 
 def branch_seq_id(req_id: str, depth: int, bonus: int) -> str:
@@ -201,8 +214,7 @@ class BranchRun:
         """The branches (grouped by root, in candidate order), each owning its runner sequence: free it, or
         `runner.adopt` it on a hit. Branches cut short before their first step have no tokens."""
         for (_, _, b), lg, pr in zip(self._flat, self._logits, self._probs, strict=True):
-            b.logits = torch.stack(lg) if lg else None
-            b.probs = torch.stack(pr) if pr else None
+            b.logit_rows, b.prob_rows = lg, pr
         return [b for _, _, b in self._flat]
 
 

@@ -217,11 +217,11 @@ class SSDDrafter(SyncDrafter):
                 keep = min(len(toks), want)
                 drafts[i] = toks[:keep]
                 st.drafted = toks[: max(keep - 1, 0)]
-                st.draft_logits = list(branch.logits[:keep]) if branch.logits is not None else []
+                st.draft_logits = list(branch.logit_rows[:keep])
                 if self.runner.num_computed(row.req_id) > len(st.context) + len(st.drafted):
                     self.runner.truncate(row.req_id, len(st.context) + len(st.drafted))
-                if branch.probs is not None and keep:
-                    probs[i] = [p.cpu().numpy() for p in branch.probs[:keep]]
+                if branch.prob_rows and keep:
+                    probs[i] = [p.cpu().numpy() for p in branch.prob_rows[:keep]]
                 if keep < want:
                     topups.append((i, want - keep))
                 continue
