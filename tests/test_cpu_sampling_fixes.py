@@ -11,17 +11,16 @@ import pytest
 import torch
 
 from saguaro_vllm.patches import apply_all, original_of
+from distribution import BIASED_P, EXACT_P
 
 CPU_TL = "vllm.utils.cpu_triton_utils"
 TOPK = "vllm.v1.sample.ops.topk_topp_sampler"
 NUM_SAMPLES = 3000
 TOP_K = 5
-#: Smallest p-value a correct sampler may show. A comparison gives four p-values (positions 2, 3, 4 and
-#: the joint of 2 and 3), each uniform for a correct sampler: it fails with probability < 0.4 %; every
-#: engine run is seeded, so a given machine and vLLM give the same verdict every time.
-P_PASS = 1e-3
-#: Largest p-value at which the known bias counts as detected (measured: 1e-130 and below).
-P_BIASED = 1e-6
+#: The shared thresholds (distribution.py says why): the smallest p-value a correct sampler may show, and
+#: the largest at which the known bias counts as detected (measured: 1e-130 and below).
+P_PASS = EXACT_P
+P_BIASED = BIASED_P
 
 
 @pytest.fixture(scope="module")
