@@ -13,6 +13,8 @@ Results go to `benchmarks/results/<date>-<name>.json`; `benchmarks/report.py` tu
     .venv/bin/python benchmarks/run.py --name b1-t0 --batch-sizes 1 --temperatures 0
     .venv/bin/python benchmarks/run.py --sweep --name sweep-c --temperatures 1 --sweep-scale 1,0.5,0.25
     saguaro-vllm bench --quick                                       # the same script
+
+`SAGUARO_BENCH_KEEP_LOG=FILE` keeps the last engine's log (vLLM's and the drafter's output) in FILE.
 """
 from __future__ import annotations
 
@@ -108,6 +110,8 @@ def worker(req_path: str, out_path: str) -> None:
         os.sched_setaffinity(0, r["pin"])
     from vllm import LLM, SamplingParams
 
+    from saguaro_vllm.metrics import saguaro_samples
+
     llm = LLM(model=r["target"], speculative_config=r["spec"], dtype="float32", enforce_eager=True,
               max_model_len=2048, max_num_seqs=max(r["batch"], 1), disable_log_stats=False,
               distributed_executor_backend="uni", seed=0)
@@ -152,19 +156,6 @@ def worker(req_path: str, out_path: str) -> None:
     }))
 
 
-def saguaro_samples() -> dict[str, float]:
-    """Saguaro's Prometheus samples in this (one-process engine) process, labels in the key."""
-    import prometheus_client
-
-    out = {}
-    for metric in prometheus_client.REGISTRY.collect():
-        for s in metric.samples:
-            if s.name.startswith("vllm:saguaro"):
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
-
-
 def ssd_figures(delta: dict[str, float]) -> dict:
     """Drafter wait and compute per step; for SSD also the hit rate (overall and per accepted depth),
     backups and pre-draft vs verification time of a run."""
@@ -183,14 +174,14 @@ def ssd_figures(delta: dict[str, float]) -> dict:
     by_depth = {}
     for key, v in delta.items():
         if key.startswith("vllm:saguaro_cache_lookups_total{") and v:
-            depth = key.split("depth=")[1].rstrip("}")
-            by_depth[depth] = total("vllm:saguaro_cache_hits_total", f"depth={depth}}}") / v
+            label = key[key.index("{"):]  # {depth="3"}
+            by_depth[label.split('"')[1]] = total("vllm:saguaro_cache_hits_total", label) / v
     rounds = total("vllm:saguaro_predraft_seconds_count")
     return {
         **out,
         "hit_rate": total("vllm:saguaro_cache_hits_total") / lookups, "hit_rate_by_depth": by_depth,
         "lookups": lookups,
-        "backups": {kind: total("vllm:saguaro_backups_total", f"kind={kind}") for kind in ("jit", "ngram")},
+        "backups": {kind: total("vllm:saguaro_backups_total", f'kind="{kind}"') for kind in ("jit", "ngram")},
         "predraft_ms": 1e3 * total("vllm:saguaro_predraft_seconds_sum") / rounds if rounds else None,
         "verify_ms": 1e3 * total("vllm:saguaro_verify_seconds_sum") / rounds if rounds else None,
     }

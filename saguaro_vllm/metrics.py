@@ -79,6 +79,20 @@ def _prometheus() -> dict:
     return _PROM or {}
 
 
+def saguaro_samples() -> dict[str, float]:
+    """Every `vllm:saguaro_*` Prometheus sample of this process, labelled ones keyed `name{label="value"}`
+    (what benchmarks and tests read from a one-process engine, where the proposer lives)."""
+    out: dict[str, float] = {}
+    if prometheus_client is None:
+        return out
+    for metric in prometheus_client.REGISTRY.collect():
+        for sample in metric.samples:
+            if sample.name.startswith("vllm:saguaro"):
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
 class SaguaroMetrics:
     """Counts per process; `snapshot()` is what tests and the demo read."""
 

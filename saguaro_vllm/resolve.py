@@ -158,12 +158,12 @@ def resolve_device(cfg: SaguaroConfig, is_cpu_platform: bool, tp_size: int) -> s
     return device
 
 
-def cpu_has_bf16_matmul() -> bool:
+def cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): then a bf16 draft is much faster
     for the multi-branch steps (measured on these machines, one core, the demo pair's cost-matched draft:
     1/6/13/24 rows per forward take 21/29/38/53 ms in bf16 against 22/51/83/91 ms in fp32)."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
         return False

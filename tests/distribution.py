@@ -201,21 +201,10 @@ def _run_engine(request: dict[str, Any]) -> dict[str, Any]:
         if len(ids) != request["max_tokens"]:
             raise RuntimeError(f"expected {request['max_tokens']} tokens, got {ids}")
         tokens[owner].append(ids)
+    from saguaro_vllm.metrics import saguaro_samples
+
     return {"tokens": tokens, "spec": _spec_counters(llm.get_metrics()), "generate_s": generate_s,
             "saguaro": saguaro_samples()}
-
-
-def saguaro_samples() -> dict[str, float]:
-    """Saguaro's Prometheus samples in this process (the proposer runs in the one-process engine)."""
-    import prometheus_client
-
-    out = {}
-    for metric in prometheus_client.REGISTRY.collect():
-        for s in metric.samples:
-            if s.name.startswith("vllm:saguaro"):
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
 
 
 def _spec_counters(metrics: list[Any]) -> dict[str, int]:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distribution import ENV_DEFAULTS, EngineRunError, SpecCounters, _spec_counters, saguaro_samples
+from distribution import ENV_DEFAULTS, EngineRunError, SpecCounters, _spec_counters
 
 ENGINE_DEFAULTS: dict[str, Any] = {
     "dtype": "float32", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 32,
@@ -82,18 +82,17 @@ def _inputs(prompt: Any) -> Any:
     return prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
 
 
-_saguaro_samples = saguaro_samples
-
-
 def _main(request: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
+
+    from saguaro_vllm.metrics import saguaro_samples
 
     llm = LLM(model=request["model"], speculative_config=request["speculative_config"],
               **request["engine_kwargs"])
     results: dict[str, Any] = {}
     for job in request["jobs"]:
         before = _spec_counters(llm.get_metrics())
-        before_saguaro = _saguaro_samples()
+        before_saguaro = saguaro_samples()
         params = job["params"] if isinstance(job["params"], list) else [job["params"]] * len(job["prompts"])
         sps = [SamplingParams(**p) for p in params]
         start = time.monotonic()
@@ -108,7 +107,7 @@ def _main(request: dict[str, Any]) -> dict[str, Any]:
             "texts": [o.outputs[0].text for o in outs],
             "spec": {k: after[k] - before[k] for k in after},
             "seconds": seconds,
-            "saguaro": (after_saguaro := _saguaro_samples()),
+            "saguaro": (after_saguaro := saguaro_samples()),
             "saguaro_delta": {k: v - before_saguaro.get(k, 0.0) for k, v in after_saguaro.items()
                               if k.split("{")[0].endswith("_total")},
         }

@@ -102,3 +102,19 @@ def test_unknown_case_is_refused(argv, capsys):
     with pytest.raises(SystemExit):
         run.parse_args(argv)
     assert "not in benchmarks/cases.json" in capsys.readouterr().err
+
+
+def test_ssd_figures_read_the_labelled_samples():
+    delta = {
+        'vllm:saguaro_cache_lookups_total{depth="0"}': 4.0, 'vllm:saguaro_cache_lookups_total{depth="5"}': 6.0,
+        'vllm:saguaro_cache_hits_total{depth="0"}': 3.0, 'vllm:saguaro_cache_hits_total{depth="5"}': 6.0,
+        'vllm:saguaro_backups_total{kind="jit"}': 1.0, "vllm:saguaro_drafter_step_seconds_count": 10.0,
+        "vllm:saguaro_drafter_step_seconds_sum": 0.5, "vllm:saguaro_drafter_compute_seconds_sum": 0.2,
+        "vllm:saguaro_predraft_seconds_count": 10.0, "vllm:saguaro_predraft_seconds_sum": 1.5,
+        "vllm:saguaro_verify_seconds_sum": 2.0,
+    }
+    f = run.ssd_figures(delta)
+    assert f["hit_rate"] == 0.9 and f["hit_rate_by_depth"] == {"0": 0.75, "5": 1.0}
+    assert f["backups"] == {"jit": 1.0, "ngram": 0.0} and f["lookups"] == 10.0
+    assert f["drafter_wait_ms"] == pytest.approx(50.0) and f["drafter_compute_ms"] == pytest.approx(20.0)
+    assert f["predraft_ms"] == pytest.approx(150.0) and f["verify_ms"] == pytest.approx(200.0)

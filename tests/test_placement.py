@@ -36,6 +36,14 @@ def test_pin_process_moves_every_thread():
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-3000:]
 
 
-def test_bf16_detection_reads_cpu_flags():
-    flags = open("/proc/cpuinfo").read()
-    assert cpu_has_bf16_matmul() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+@pytest.mark.parametrize(("flags", "expected"), [
+    ("fpu avx2 avx512f avx512_bf16", True),
+    ("fpu avx2 amx_tile amx_bf16", True),
+    ("fpu avx2 avx512f avx512_vnni", False),
+    ("", False),
+])
+def test_bf16_detection_reads_cpu_flags(tmp_path, flags, expected):
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+    assert cpu_has_bf16_matmul(str(info)) is expected
+    assert cpu_has_bf16_matmul(str(tmp_path / "missing")) is False

@@ -20,7 +20,6 @@ from saguaro_vllm.drafter.predictor import (
     allocate_fanout,
     depth_probs,
     select_candidates,
-    size_budget,
 )
 
 
@@ -119,33 +118,29 @@ def test_after_a_fast_backup_the_budget_sits_at_depth_0_until_backups_get_accept
     assert pred.fanout(8, 4) == neural  # the neural estimate is separate
 
 
-def test_size_budget_fits_and_is_maximal():
+def test_plan_predraft_fits_and_more_time_never_scores_less():
+    from saguaro_vllm.drafter.predictor import expected_hit_rate, plan_predraft
+
     cost = StepCostModel(0.002, 0.0001)
-    plans = []
+    scores = []
     for verify_ms in range(120):
         verify_s = verify_ms / 1000
-        plan = size_budget(verify_s, cost, batch_size=4, k=4, max_branches=32)
-        plans.append((plan.steps, plan.branches))
-
-        def takes(m, s):
-            return cost.step_s(4) + s * cost.step_s(4 * m)
-
+        plan = plan_predraft(verify_s, cost, batch_size=4, k=4, alpha=0.8, max_branches=32)
         if plan.branches == 0:
-            assert takes(5, 1) > verify_s  # not even one step of one branch per depth
+            assert cost.step_s(4) + cost.step_s(4) > verify_s  # not even one step of one branch fits
+            scores.append(0.0)
             continue
-        assert takes(plan.branches, plan.steps) <= verify_s
-        if plan.branches < 32:
-            assert takes(plan.branches + 1, plan.steps) > verify_s
-        if plan.steps < 4:
-            assert takes(5, plan.steps + 1) > verify_s  # depth shrinks only when K+1 branches do not fit
-        assert plan.branches >= 5
-    assert plans == sorted(plans)  # more time never plans less
-    assert plans[0] == (0, 0) and plans[-1] == (4, 32)  # nothing fits / capped by max_branches
+        assert cost.step_s(4) + plan.steps * cost.step_s(4 * plan.branches) <= verify_s
+        scores.append(expected_hit_rate(allocate_fanout(plan.branches, 0.8, 4), 0.8) * plan.steps)
+    assert scores == sorted(scores)  # more time never plans a worse pre-draft
+    assert scores[0] == 0.0 and plan == PreDraftPlan(32, 4)  # nothing fits / capped by max_branches
 
 
-def test_size_budget_without_per_row_cost_uses_the_cap():
-    assert size_budget(0.01, StepCostModel(0.001, 0.0), 8, 4, max_branches=16) == PreDraftPlan(16, 4)
-    assert size_budget(0.001, StepCostModel(0.001, 0.0), 8, 4) == PreDraftPlan(0, 0)
+def test_plan_predraft_without_per_row_cost_uses_the_cap():
+    from saguaro_vllm.drafter.predictor import plan_predraft
+
+    assert plan_predraft(0.01, StepCostModel(0.001, 0.0), 8, 4, 0.8, max_branches=16) == PreDraftPlan(16, 4)
+    assert plan_predraft(0.001, StepCostModel(0.001, 0.0), 8, 4, 0.8) == PreDraftPlan(0, 0)
 
 
 def test_step_cost_model_fit():

@@ -46,21 +46,28 @@ def test_saguaro_sampling_matches_target_distribution(plain, saguaro, variant):
 
 def test_greedy_rows_in_a_sampled_batch_stay_greedy(plain, saguaro):
     assert (saguaro.tokens["greedy"] == plain.tokens["greedy"][0]).all()
+    assert saguaro.spec.drafts > 0 and saguaro.spec.accepted > 0
 
 
-def test_check_detects_wrong_proposal_probabilities(pair, plain):
+def _assert_broken_proposer_detected(pair, plain, proposer: str, spec: dict, seed: int) -> None:
+    """Run a deliberately broken proposer (tests/saguaro_test_proposers.py) with the Saguaro options that
+    `spec` resolves to, and check that the distribution test rejects it although speculation happened."""
     from vllm.engine.arg_utils import EngineArgs
 
-    spec = {"method": "saguaro", "model": str(pair[1]), "num_speculative_tokens": K}
     resolved = EngineArgs(model=str(pair[0]), speculative_config=spec, skip_tokenizer_init=True,
                           max_model_len=64).create_engine_config().additional_config
-    wrong = sample_outputs(pair[0], variants={"t1": VARIANTS["t1"]}, num_samples=N, seed=2,
+    wrong = sample_outputs(pair[0], variants={"t1": VARIANTS["t1"]}, num_samples=N, seed=seed,
                            speculative_config={"method": "custom_class", "num_speculative_tokens": K,
-                                               "model": "saguaro_test_proposers.WrongProbsProposer"},
+                                               "model": f"saguaro_test_proposers.{proposer}"},
                            engine_kwargs={"additional_config": resolved})
     assert wrong.spec.drafts > 0 and wrong.spec.accepted > 0
     pvalues = compare(plain.tokens["t1"], wrong.tokens["t1"])
     assert min(pvalues.values()) < BIASED_P, pvalues
+
+
+def test_check_detects_wrong_proposal_probabilities(pair, plain):
+    spec = {"method": "saguaro", "model": str(pair[1]), "num_speculative_tokens": K}
+    _assert_broken_proposer_detected(pair, plain, "WrongProbsProposer", spec, seed=2)
 
 
 # ------------------------------------------------------------------------------ mode async (SSD)
@@ -131,6 +138,7 @@ def test_ssd_jit_misses_and_saguaro_sampling_match_target_distribution(plain, ss
 
 def test_ssd_greedy_rows_stay_greedy(plain, ssd_jit):
     assert (ssd_jit.tokens["greedy"] == plain.tokens["greedy"][0]).all()
+    assert ssd_jit.spec.drafts > 0 and ssd_jit.spec.accepted > 0 and _counter(ssd_jit, "cache_hits") > 0
 
 
 def test_ssd_ngram_misses_match_target_distribution(plain, ssd_ngram):
@@ -141,15 +149,5 @@ def test_ssd_ngram_misses_match_target_distribution(plain, ssd_ngram):
 
 def test_check_detects_biased_backup_verification(pair, plain):
     """n-gram backups verified as if drawn from a uniform proposal instead of one-hot: a biased path."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    spec = _ssd(pair, fanout_budget=1, backup="ngram")
-    resolved = EngineArgs(model=str(pair[0]), speculative_config=spec, skip_tokenizer_init=True,
-                          max_model_len=64).create_engine_config().additional_config
-    wrong = sample_outputs(pair[0], variants={"t1": VARIANTS["t1"]}, num_samples=N, seed=6,
-                           speculative_config={"method": "custom_class", "num_speculative_tokens": K,
-                                               "model": "saguaro_test_proposers.UniformBackupProbsProposer"},
-                           engine_kwargs={"additional_config": resolved})
-    assert wrong.spec.drafts > 0 and wrong.spec.accepted > 0
-    pvalues = compare(plain.tokens["t1"], wrong.tokens["t1"])
-    assert min(pvalues.values()) < BIASED_P, pvalues
+    _assert_broken_proposer_detected(pair, plain, "UniformBackupProbsProposer",
+                                     _ssd(pair, fanout_budget=1, backup="ngram"), seed=6)

@@ -116,14 +116,7 @@ def write_cost_matched(src: Path, dst: Path, real: ModelShape, big: ModelShape) 
     sd = load_file(str(src / "model.safetensors"))
     padded = pad_state_dict(sd, real, big)
     eps = config["rms_norm_eps"] * real.hidden / big.hidden
-    config.update(
-        hidden_size=big.hidden,
-        num_hidden_layers=big.layers,
-        num_attention_heads=big.heads,
-        num_key_value_heads=big.kv_heads,
-        intermediate_size=big.intermediate,
-        rms_norm_eps=eps,
-    )
+    config.update(**big.hf_shape_fields(), rms_norm_eps=eps)
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(padded, str(dst / "model.safetensors"), metadata={"format": "pt"})

@@ -52,16 +52,17 @@ class ModelShape:
         mlp = 3 * self.hidden * self.intermediate
         return vocab * self.hidden + self.layers * (attn + mlp + 2 * self.hidden) + self.hidden
 
+    def hf_shape_fields(self) -> dict:
+        """This shape as Hugging Face Llama config fields (also used to rewrite a saved config)."""
+        return dict(hidden_size=self.hidden, intermediate_size=self.intermediate, num_hidden_layers=self.layers,
+                    num_attention_heads=self.heads, num_key_value_heads=self.kv_heads)
+
     def hf_config(self, vocab: int, max_positions: int, eos_id: int, rms_norm_eps: float = RMS_NORM_EPS):
         from transformers import LlamaConfig
 
         return LlamaConfig(
             vocab_size=vocab,
-            hidden_size=self.hidden,
-            intermediate_size=self.intermediate,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
+            **self.hf_shape_fields(),
             head_dim=HEAD_DIM,
             hidden_act="silu",
             max_position_embeddings=max_positions,

@@ -7,7 +7,8 @@ depth, and how many in all.
 - `AcceptanceEstimate` / `OutcomePredictor`: α estimated online from observed accepted counts, one
   estimate for neural drafts and one for fast backups (random or n-gram tokens are rarely accepted, so
   after such a miss the budget sits at depth 0 until the estimate learns otherwise).
-- `size_budget`: the widest (then deepest) pre-drafting that finishes within the verification time.
+- `plan_predraft`: how many branches and steps the pre-drafting gets, from measured timings and measured
+  candidate ranks (`RankEstimate`).
 """
 
 from __future__ import annotations
@@ -142,45 +143,6 @@ class PreDraftPlan:
     steps: int  # draft tokens per branch (K, or fewer when time is short)
 
 
-def size_budget(verify_s: float, cost: StepCostModel, batch_size: int, k: int, max_branches: int = 64) -> PreDraftPlan:
-    """The largest pre-drafting that finishes while the target verifies: one glue step over the batch,
-    then `steps` steps over `batch_size * branches` rows.
-
-    Widest first at full depth K; if not even one branch per depth (K+1) fits K steps, the depth shrinks
-    to the deepest that fits K+1 branches (widened again as far as time allows); if none does, no plan.
-
-    Worked example: K=4, batch 4, steps cost 2 ms + 0.1 ms per row (glue: 2.4 ms).
-    Verification 30 ms: M=12 takes 2.4 + 4 x (2 + 4.8) = 29.6 ms, M=13 takes 31.2 ms -> 12 branches, 4 steps.
-    Verification 12.5 ms: 5 branches x 4 steps take 18.4 ms, x 3 steps 14.4 ms; x 2 steps fit, and widen
-    to M=7 (2.4 + 2 x 4.8 = 12.0 ms; M=8 takes 12.8) -> 7 branches, 2 steps.
-
-    >>> size_budget(0.030, StepCostModel(0.002, 0.0001), batch_size=4, k=4)
-    PreDraftPlan(branches=12, steps=4)
-    >>> size_budget(0.0125, StepCostModel(0.002, 0.0001), batch_size=4, k=4)
-    PreDraftPlan(branches=7, steps=2)
-    """
-    if batch_size < 1 or k < 1 or max_branches < 1:
-        raise ValueError(f"need batch_size, k, max_branches >= 1; got {batch_size}, {k}, {max_branches}")
-    glue_s = cost.step_s(batch_size)
-
-    def widest(steps: int) -> int:
-        lo, hi = 0, max_branches  # largest m in 0..max_branches with the plan in time (cost rises with m)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if glue_s + steps * cost.step_s(batch_size * mid) <= verify_s:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    need = min(k + 1, max_branches)
-    for steps in range(k, 0, -1):
-        m = widest(steps)
-        if m >= need:
-            return PreDraftPlan(m, steps)
-    return PreDraftPlan(0, 0)
-
-
 #: Prior of `RankEstimate`: the chance that the best candidate of a depth is the bonus token (each
 #: further candidate catching this share of what is left), until lookups have measured it.
 TOP1_HIT = 0.6
@@ -234,12 +196,15 @@ def plan_predraft(verify_s: float, cost: StepCostModel, batch_size: int, k: int,
         raise ValueError(f"need batch_size, k, max_branches >= 1; got {batch_size}, {k}, {max_branches}")
     ranks = ranks or RankEstimate()
     glue_s = cost.step_s(batch_size)
+    hit_rate: dict[int, float] = {}  # P(hit | m branches): the same for every depth tried
     best, best_score = PreDraftPlan(0, 0), 0.0
     for steps in range(k, 0, -1):
         for m in range(1, max_branches + 1):
             if glue_s + steps * cost.step_s(batch_size * m) > verify_s:
                 break
-            score = expected_hit_rate(allocate_fanout(m, alpha, k, r), alpha, ranks) * steps
+            if m not in hit_rate:
+                hit_rate[m] = expected_hit_rate(allocate_fanout(m, alpha, k, r), alpha, ranks)
+            score = hit_rate[m] * steps
             if score > best_score + 1e-9:
                 best, best_score = PreDraftPlan(m, steps), score
     return best

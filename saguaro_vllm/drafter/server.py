@@ -100,7 +100,7 @@ def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
     info.update(threads=torch.get_num_threads(), cores=sorted(os.sched_getaffinity(0)))
     chan.send(Ready(os.getpid(), info))
     while True:
-        busy = getattr(drafter, "busy", False)
+        busy = drafter.busy
         msg = chan.recv(timeout_s=0 if busy else PARENT_POLL_S)
         if msg is None:
             if busy:
@@ -120,8 +120,7 @@ def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
                 resp = StepResponse(msg.step, [[] for _ in msg.rows], {}, 0.0,
                                     resync=[r.req_id for r in msg.rows], error=f"{type(err).__name__}: {err}")
             chan.send(resp)
-            if hasattr(drafter, "answered"):
-                drafter.answered()
+            drafter.answered()
 
 
 def _advance(drafter) -> None:

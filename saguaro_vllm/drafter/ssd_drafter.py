@@ -107,6 +107,7 @@ class SSDDrafter(SyncDrafter):
         self.ranks = RankEstimate()
         self._sent: dict[str, _Sent] = {}
         self._work: Iterator[None] | None = None
+        self._run: BranchRun | None = None  # the pre-draft's branch run (its step index picks Saguaro's F)
         self._costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=COST_SAMPLES)
         self._verify_s: float | None = None
         self._answered_at: float | None = None
@@ -208,7 +209,7 @@ class SSDDrafter(SyncDrafter):
             else:
                 self.cache.drop(row.req_id)
                 status[i] = NEW
-            if branch is not None and row.start == len(st.context):
+            if branch is not None:  # (lookup matched the position: row.start == len(st.context))
                 status[i] = HIT
                 self.runner.adopt(branch.seq_id, row.req_id)
                 st.context.extend(row.new_tokens)
@@ -225,8 +226,6 @@ class SSDDrafter(SyncDrafter):
                 if keep < want:
                     topups.append((i, want - keep))
                 continue
-            if branch is not None:  # cannot happen (lookup checks the position); never serve it
-                self._release(branch.seq_id)
             st = self._update(row)
             if st is None:
                 resync.append(row.req_id)
@@ -248,11 +247,12 @@ class SSDDrafter(SyncDrafter):
         self._draft_now(req, drafts, probs, topups, misses if kind == JIT else [])
 
         roots = []
+        fast_rows = set(misses) if kind == NGRAM else set()
         for i, row in enumerate(req.rows):
             if not drafts[i]:
                 continue
             st = self.reqs[row.req_id]
-            fast = kind == NGRAM and i in misses
+            fast = i in fast_rows
             sent = _Sent(len(st.context), list(drafts[i]), fast)
             sent.round_id = self.cache.start_round(row.req_id, sent.context_len, sent.drafts)
             self._sent[row.req_id] = sent

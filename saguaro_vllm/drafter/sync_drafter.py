@@ -42,6 +42,15 @@ class SyncDrafter:
         self.reqs: dict[str, _ReqState] = {}
         self.num_out_of_blocks = 0
 
+    # ---- the server loop's hooks (SSD does work between requests; sync drafting does none) ----------
+    busy = False
+
+    def answered(self) -> None:
+        """The answer of the last `step` went out."""
+
+    def advance(self) -> None:
+        """Work between requests: none in `mode: sync`."""
+
     # ---- request bookkeeping --------------------------------------------------------------------
     def free(self, req_id: str) -> None:
         self.reqs.pop(req_id, None)
