@@ -30,6 +30,9 @@ ATTN = dict(heads=32, kv_heads=8, head_size=64, K=5, branches=24, block_size=16)
 ATTN_CASES = [  # (batch, prefix, dtype)
     (b, n, d) for d in ("float32", "bfloat16") for b in (1, 4, 16) for n in (256, 1024, 2048)
 ]
+FORK_CASES = [  # (requests, prefix, dtype): 24 branches per request forked from it, one new token each
+    (r, n, "bfloat16") for r in (1, 4) for n in (256, 1024, 2048)
+]
 SAMPLING_CASES = [  # (rows, vocab): candidate selection uses rows = batch, K+1 = 6 depths
     (24, 32000), (96, 128256),
 ]
@@ -66,6 +69,33 @@ def attention_args(batch, prefix, dtype):
         steps=torch.full((nq,), K - 1, dtype=torch.int32),
         branch_slots=slots,
         scale=c["head_size"] ** -0.5,
+    )
+
+
+def fork_args(requests, prefix, dtype):
+    """A pre-draft branch step as the drafter runs it: every branch is a sequence forked from its request
+    (the request's full blocks, then a copy of its partial last block), with one new token (decode_attention:
+    depth 0, step -1)."""
+    c = ATTN
+    bs, nb_req = c["block_size"], -(-prefix // c["block_size"])
+    full = prefix // bs
+    n = requests * c["branches"]
+    nblocks = requests * nb_req + n * (nb_req - full + 1)
+    perm = torch.randperm(nblocks).tolist()
+    tables = []
+    for _ in range(requests):
+        own = [perm.pop() for _ in range(nb_req)]
+        for _ in range(c["branches"]):
+            tables.append(own[:full] + [perm.pop() for _ in range(nb_req - full + 1)])
+    dt_ = getattr(torch, dtype)
+    z = torch.zeros(n, dtype=torch.int32)
+    return dict(
+        query=torch.randn(n, c["heads"], c["head_size"]).to(dt_),
+        kv_cache=torch.randn(2, nblocks, bs, c["kv_heads"], c["head_size"]).to(dt_),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        prefix_lens=torch.full((n,), prefix, dtype=torch.int32),
+        owners=torch.arange(n, dtype=torch.int32), depths=z, steps=z - 1,
+        branch_slots=torch.zeros(n, 1, dtype=torch.long), scale=c["head_size"] ** -0.5,
     )
 
 
@@ -215,6 +245,15 @@ def main() -> None:
         rows.append(dict(op="branch_attention", batch=batch, prefix=prefix, dtype=dtype, op_ms=op * 1e3,
                          ref_ms=ref * 1e3, speedup=ref / op, **ATTN))
         print(f"{batch:>5} {prefix:>6} {dtype:>8} {op * 1e3:>9.2f} {ref * 1e3:>9.2f} {ref / op:>7.1f}x")
+    print(f"\nforked branches, one new token each (the drafter's pre-draft step), {ATTN['branches']} per request")
+    print(f"{'reqs':>5} {'prefix':>6} {'dtype':>8} {'op ms':>9} {'ref ms':>9} {'speedup':>8}")
+    for requests, prefix, dtype in FORK_CASES[::3] if args.quick else FORK_CASES:
+        a = fork_args(requests, prefix, dtype)
+        op = timeit(lambda a=a: torch.ops.saguaro.branch_attention(*a.values()))
+        ref = timeit(lambda a=a: reference.branch_attention(**a), max_reps=10)
+        rows.append(dict(op="branch_attention_forked", batch=requests, prefix=prefix, dtype=dtype,
+                         op_ms=op * 1e3, ref_ms=ref * 1e3, speedup=ref / op, **ATTN))
+        print(f"{requests:>5} {prefix:>6} {dtype:>8} {op * 1e3:>9.2f} {ref * 1e3:>9.2f} {ref / op:>7.1f}x")
     print("\ncandidate selection (K+1 = 6, fan-out 4 per depth) and proposal sampling (T=0.8, top-p 0.95, F=4)")
     print(f"{'op':>18} {'rows':>5} {'vocab':>7} {'op ms':>9} {'ref ms':>9} {'speedup':>8}")
     for n, vocab in SAMPLING_CASES[:1] if args.quick else SAMPLING_CASES:

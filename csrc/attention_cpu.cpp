@@ -24,9 +24,9 @@
 namespace saguaro {
 namespace {
 
-constexpr int kChunk = 64;  // prefix keys per tile
-constexpr int kTR = 8;      // GEMM tile rows (8 x 8 accumulators: 8 ymm registers with AVX2)
+constexpr int kChunk = 64;    // prefix keys per tile
 constexpr int kMaxRows = 96;  // (query, head) rows per work item
+constexpr int kMaxPad = 16;   // rows of padding a build may add (its VW or TR)
 
 inline float dot(const float* a, const float* b, int n) {
   float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -52,14 +52,28 @@ struct CacheView {
   const T* at(int kv, int64_t slot, int64_t head) const {
     return base + kv * g->c_s0 + (slot / g->bs) * g->c_s1 + (slot % g->bs) * g->c_s2 + head * g->c_s3;
   }
+  // The key rows (kv = 0) of logical positions c0 .. c0+n-1 of a sequence, through its block table, into
+  // rows[]; the value row is rows[t] + g->c_s0. Walks block and offset without a division per key (64-bit
+  // divisions were most of the cost of a decode step).
+  void prefix_rows(const int32_t* bt_row, int64_t c0, int n, int64_t head, const T** rows) const {
+    int64_t blk = c0 / g->bs, off = c0 % g->bs;
+    const T* block = base + static_cast<int64_t>(bt_row[blk]) * g->c_s1 + head * g->c_s3;
+    for (int t = 0; t < n; ++t) {
+      rows[t] = block + off * g->c_s2;
+      if (++off == g->bs && t + 1 < n) {
+        off = 0;
+        block = base + static_cast<int64_t>(bt_row[++blk]) * g->c_s1 + head * g->c_s3;
+      }
+    }
+  }
 };
 
 // Per-thread buffers; kt/v also hold the glue and branch keys (at most kChunk per query).
 struct Scratch {
-  std::vector<float> q, acc, m, l, s, kt, v;
+  std::vector<float> q, qt, acc, m, l, s, kt, v;
   explicit Scratch(const Geometry& g) {
-    const int64_t rows = kMaxRows + kTR;
-    q.resize(rows * g.D); acc.resize(rows * g.D); m.resize(rows); l.resize(rows);
+    const int64_t rows = kMaxRows + kMaxPad;
+    q.resize(rows * g.D); qt.resize(rows * g.D); acc.resize(rows * g.D); m.resize(rows); l.resize(rows);
     s.resize(rows * kChunk); kt.assign(g.D * kChunk, 0.f); v.assign(kChunk * g.D, 0.f);
   }
 };
@@ -69,33 +83,48 @@ struct Scratch {
 
 namespace generic {
 #define SAGUARO_TARGET
+#define VW 8
+#define TR 8
 #include "attention_core.inc"
+#undef TR
+#undef VW
 #undef SAGUARO_TARGET
 }  // namespace generic
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define SAGUARO_HAVE_AVX2_PATH 1
+#define SAGUARO_HAVE_X86_PATHS 1
 namespace avx2 {
 #define SAGUARO_TARGET __attribute__((target("avx2,fma")))
+#define VW 8
+#define TR 8
 #include "attention_core.inc"
+#undef TR
+#undef VW
 #undef SAGUARO_TARGET
 }  // namespace avx2
+
+// 16 lanes and 16-row tiles: 16 accumulators of the 32 zmm registers, FMAs with embedded broadcasts.
+namespace avx512 {
+#define SAGUARO_TARGET __attribute__((target("avx512f,avx2,fma")))
+#define VW 16
+#define TR 16
+#include "attention_core.inc"
+#undef TR
+#undef VW
+#undef SAGUARO_TARGET
+}  // namespace avx512
 #endif
 
-using ChunkFn = void (*)(const float*, int, int, const float*, const float*, int, float*, float*, float*, float*);
-
-// The chunk kernel for this CPU, chosen once; SAGUARO_CPU_ISA=generic forces the baseline build.
+// The prefix kernel for this CPU: 0 baseline, 1 AVX2+FMA, 2 AVX-512F. Chosen once per process;
+// SAGUARO_CPU_ISA=generic|avx2 caps it.
 struct Isa {
-  std::string name = "generic";
-  ChunkFn chunk = &generic::chunk_update;
+  int level = 0;
   Isa() {
-#ifdef SAGUARO_HAVE_AVX2_PATH
+#ifdef SAGUARO_HAVE_X86_PATHS
     const char* env = std::getenv("SAGUARO_CPU_ISA");
-    const bool forced_generic = env != nullptr && std::string(env) == "generic";
-    if (!forced_generic && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-      name = "avx2";
-      chunk = &avx2::chunk_update;
-    }
+    const std::string cap = env != nullptr ? env : "";
+    if (cap != "generic" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) level = 1;
+    if (cap != "generic" && cap != "avx2" && level == 1 && __builtin_cpu_supports("avx512f")) level = 2;
 #endif
   }
 };
@@ -105,20 +134,40 @@ Isa& isa() {
   return instance;
 }
 
-// "" -> the active ISA; "generic" / "avx2" -> switch (if supported) and return the active one.
+const char* isa_name(int level) { return level == 2 ? "avx512" : level == 1 ? "avx2" : "generic"; }
+
+// "" -> the active ISA; "generic" / "avx2" / "avx512" -> switch (if this CPU has it) and return the active one.
 std::string cpu_isa(std::string request) {
   Isa& i = isa();
-  if (request == "generic") {
-    i.name = "generic";
-    i.chunk = &generic::chunk_update;
-  }
-#ifdef SAGUARO_HAVE_AVX2_PATH
-  if (request == "avx2" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    i.name = "avx2";
-    i.chunk = &avx2::chunk_update;
-  }
+  if (request == "generic") i.level = 0;
+#ifdef SAGUARO_HAVE_X86_PATHS
+  const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (request == "avx2" && has_avx2) i.level = 1;
+  if (request == "avx512" && has_avx2 && __builtin_cpu_supports("avx512f")) i.level = 2;
 #endif
-  return i.name;
+  return isa_name(i.level);
+}
+
+constexpr int kFewRows = 4;  // passes over at most this many rows take the row-at-a-time kernel
+
+// Keys begin..end-1 of one sequence into the running state of R rows, at the given ISA level (the AVX-512 build
+// needs D % 16 == 0). `few` takes the row-at-a-time kernel, which pads nothing (a decode step's G heads, one
+// query's own keys); otherwise the tiled kernel, which pads the rows to its tile height: the state must then
+// have that many rows, all owned by this pass.
+template <typename T>
+void attend_keys(int level, bool few, const Geometry& g, const CacheView<T>& cache, const int32_t* bt_row,
+                 int64_t begin, int64_t end, int64_t kvh, int R, const float* Q, float* m, float* l, float* A,
+                 Scratch& sc) {
+  if (begin >= end) return;
+#ifdef SAGUARO_HAVE_X86_PATHS
+  if (level == 2 && g.D % 16 != 0) level = 1;
+  if (level == 2) return few ? avx512::attend_keys_few<T>(g, cache, bt_row, begin, end, kvh, R, Q, m, l, A, sc)
+                             : avx512::attend_keys_tiled<T>(g, cache, bt_row, begin, end, kvh, R, Q, m, l, A, sc);
+  if (level == 1) return few ? avx2::attend_keys_few<T>(g, cache, bt_row, begin, end, kvh, R, Q, m, l, A, sc)
+                             : avx2::attend_keys_tiled<T>(g, cache, bt_row, begin, end, kvh, R, Q, m, l, A, sc);
+#endif
+  few ? generic::attend_keys_few<T>(g, cache, bt_row, begin, end, kvh, R, Q, m, l, A, sc)
+      : generic::attend_keys_tiled<T>(g, cache, bt_row, begin, end, kvh, R, Q, m, l, A, sc);
 }
 
 inline float softmax_merge(float* s, int n, float& m, float& l) {
@@ -136,44 +185,47 @@ inline float softmax_merge(float* s, int n, float& m, float& l) {
   return alpha;
 }
 
+// The block tables and prefix lengths of all sequences, and the owner of each query.
+struct Sequences {
+  const int32_t* bt;  // [B x MB]
+  int64_t MB;
+  const int32_t* prefix_lens;
+  const int32_t* owners;
+  const int32_t* row(int64_t r) const { return bt + r * MB; }
+};
+
+// One work item: queries qlist[0..nq) (of one or several sequences) and one kv head. Keys 0..shared-1 lie in
+// blocks all their sequences share (forked branches of one request: the same physical blocks), so they are
+// streamed once for all rows; each query then adds the rest of its own prefix, its glue and its branch keys.
 template <typename T>
-void attend_item(const Geometry& g, const T* q, const CacheView<T>& cache, const int32_t* bt_row,
-                 int64_t n_pre, const int32_t* depths, const int32_t* steps, const int64_t* bslots,
-                 const int64_t* qlist, int nq, int64_t kvh, T* out, Scratch& sc, ChunkFn chunk) {
+void attend_item(const Geometry& g, const T* q, const CacheView<T>& cache, const Sequences& seqs, int64_t shared,
+                 const int32_t* depths, const int32_t* steps, const int64_t* bslots, const int64_t* qlist, int nq,
+                 int64_t kvh, T* out, Scratch& sc, int level) {
   const int64_t D = g.D, G = g.G;
-  const int R = nq * G, R4 = (R + kTR - 1) / kTR * kTR;
+  const int R = static_cast<int>(nq * G);
+  const int RP = (R + kMaxPad - 1) / kMaxPad * kMaxPad;
   float* Q = sc.q.data();
   float* A = sc.acc.data();
+  float* m = sc.m.data();
+  float* l = sc.l.data();
   for (int i = 0; i < nq; ++i)
     for (int64_t gi = 0; gi < G; ++gi) {
       const T* src = q + qlist[i] * g.q_s0 + (kvh * G + gi) * g.q_s1;
       float* dst = Q + (i * G + gi) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * g.scale;
     }
-  std::fill(Q + R * D, Q + R4 * D, 0.f);
-  std::fill(A, A + R4 * D, 0.f);
-  std::fill(sc.m.begin(), sc.m.begin() + R4, -std::numeric_limits<float>::infinity());
-  std::fill(sc.l.begin(), sc.l.begin() + R4, 0.f);
-  float* S = sc.s.data();
-  float* KT = sc.kt.data();
-  float* V = sc.v.data();
-
-  // (a) the committed prefix, shared by all rows.
-  for (int64_t c0 = 0; c0 < n_pre; c0 += kChunk) {
-    const int nk = static_cast<int>(std::min<int64_t>(kChunk, n_pre - c0));
-    const int ncol = (nk + 7) / 8 * 8;
-    for (int t = 0; t < nk; ++t) {
-      const int64_t p = c0 + t, slot = static_cast<int64_t>(bt_row[p / g.bs]) * g.bs + p % g.bs;
-      const T* kp = cache.at(0, slot, kvh);
-      const T* vp = cache.at(1, slot, kvh);
-      for (int64_t d = 0; d < D; ++d) KT[d * kChunk + t] = to_float(kp[d]);
-      for (int64_t d = 0; d < D; ++d) V[t * D + d] = to_float(vp[d]);
-    }
-    for (int t = nk; t < ncol; ++t)
-      for (int64_t d = 0; d < D; ++d) KT[d * kChunk + t] = 0.f;
-    chunk(Q, R4, static_cast<int>(D), KT, V, nk, S, sc.m.data(), sc.l.data(), A);
+  std::fill(A, A + RP * D, 0.f);
+  std::fill(m, m + RP, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + RP, 0.f);
+  // (a) the committed prefix: the shared part for all rows at once, then each query's own rest.
+  const int32_t* first_row = seqs.row(seqs.owners[qlist[0]]);
+  attend_keys<T>(level, R <= kFewRows, g, cache, first_row, 0, shared, kvh, R, Q, m, l, A, sc);
+  for (int i = 0; i < nq; ++i) {
+    const int64_t r = seqs.owners[qlist[i]];
+    const int64_t o = i * G;
+    attend_keys<T>(level, true, g, cache, seqs.row(r), shared, seqs.prefix_lens[r], kvh, static_cast<int>(G),
+                   Q + o * D, m + o, l + o, A + o * D, sc);
   }
-
   // (b) glue 0..depth and (c) own branch tokens 0..step, per query.
   float* ke = sc.kt.data();
   float* ve = sc.v.data();
@@ -181,6 +233,8 @@ void attend_item(const Geometry& g, const T* q, const CacheView<T>& cache, const
   for (int i = 0; i < nq; ++i) {
     const int64_t qi = qlist[i];
     const int64_t depth = depths[qi], step = steps[qi];
+    const int32_t* bt_row = seqs.row(seqs.owners[qi]);
+    const int64_t n_pre = seqs.prefix_lens[seqs.owners[qi]];
     int ne = 0;
     for (int64_t j = 0; j <= depth; ++j, ++ne) {
       const int64_t p = n_pre + j, slot = static_cast<int64_t>(bt_row[p / g.bs]) * g.bs + p % g.bs;
@@ -200,7 +254,7 @@ void attend_item(const Geometry& g, const T* q, const CacheView<T>& cache, const
       const int64_t r = i * G + gi;
       const float* qr = Q + r * D;
       for (int t = 0; t < ne; ++t) e[t] = dot(qr, ke + t * D, static_cast<int>(D));
-      const float alpha = softmax_merge(e, ne, sc.m[r], sc.l[r]);
+      const float alpha = softmax_merge(e, ne, m[r], l[r]);
       float* a = A + r * D;
       for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
       for (int t = 0; t < ne; ++t) {
@@ -208,7 +262,7 @@ void attend_item(const Geometry& g, const T* q, const CacheView<T>& cache, const
         const float* vr = ve + t * D;
         for (int64_t d = 0; d < D; ++d) a[d] += w * vr[d];
       }
-      const float inv = 1.0f / sc.l[r];
+      const float inv = 1.0f / l[r];
       T* o = out + (qi * g.H + kvh * G + gi) * D;
       for (int64_t d = 0; d < D; ++d) o[d] = from_float<T>(a[d] * inv);
     }
@@ -249,7 +303,6 @@ at::Tensor branch_attention_cpu(const at::Tensor& query, const at::Tensor& kv_ca
   const int64_t* bsp = bsl.data_ptr<int64_t>();
 
   // Validate every index the kernel will touch (serially: cheap next to the attention itself).
-  std::vector<int64_t> count(B + 1, 0);
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t r = owp[i];
     TORCH_CHECK(r >= 0 && r < B, "owner ", r, " of query ", i, " out of range");
@@ -258,17 +311,46 @@ at::Tensor branch_attention_cpu(const at::Tensor& query, const at::Tensor& kv_ca
     TORCH_CHECK(plp[r] >= 0 && plp[r] + dpp[i] + 1 <= MB * bs, "query ", i, ": prefix + glue exceeds its block table");
     for (int64_t s = 0; s <= stp[i]; ++s)
       TORCH_CHECK(bsp[i * S + s] >= 0 && bsp[i * S + s] < nb * bs, "query ", i, ": branch slot out of range");
-    count[r + 1]++;
   }
   std::vector<int64_t> need(B, 0);
   for (int64_t i = 0; i < nq; ++i) need[owp[i]] = std::max<int64_t>(need[owp[i]], plp[owp[i]] + dpp[i] + 1);
   for (int64_t r = 0; r < B; ++r)
     for (int64_t b = 0; b < (need[r] + bs - 1) / bs; ++b)
       TORCH_CHECK(btp[r * MB + b] >= 0 && btp[r * MB + b] < nb, "block table entry out of range");
-  // Queries grouped by owner (stable counting sort).
-  for (int64_t r = 0; r < B; ++r) count[r + 1] += count[r];
-  std::vector<int64_t> order(nq), fill(count.begin(), count.end() - 1);
-  for (int64_t i = 0; i < nq; ++i) order[fill[owp[i]]++] = i;
+  // Sequences that share their leading blocks (branches forked from one request) form a cluster: keys in
+  // the blocks all members share are streamed once for all their queries.
+  std::vector<int64_t> cluster_of(B), shared_len;
+  {
+    std::vector<int64_t> by_first(B);
+    for (int64_t r = 0; r < B; ++r) by_first[r] = r;
+    // Sequences without queries (their tables are not validated) or without a prefix stay alone.
+    auto first = [&](int64_t r) { return need[r] > 0 && plp[r] > 0 ? static_cast<int64_t>(btp[r * MB]) : -1 - r; };
+    std::stable_sort(by_first.begin(), by_first.end(), [&](int64_t a, int64_t b) { return first(a) < first(b); });
+    for (int64_t i = 0; i < B;) {
+      int64_t j = i;
+      while (j < B && first(by_first[j]) == first(by_first[i])) ++j;
+      int64_t shared = plp[by_first[i]];
+      for (int64_t k = i; k < j; ++k) shared = std::min<int64_t>(shared, plp[by_first[k]]);
+      int64_t blocks = 0;
+      const int32_t* lead = btp + by_first[i] * MB;
+      for (; blocks * bs < shared; ++blocks) {
+        bool same = true;
+        for (int64_t k = i + 1; k < j && same; ++k) same = btp[by_first[k] * MB + blocks] == lead[blocks];
+        if (!same) break;
+      }
+      const int64_t c = static_cast<int64_t>(shared_len.size());
+      shared_len.push_back(std::min<int64_t>(shared, blocks * bs));
+      for (int64_t k = i; k < j; ++k) cluster_of[by_first[k]] = c;
+      i = j;
+    }
+  }
+  const int64_t C = static_cast<int64_t>(shared_len.size());
+  // Queries grouped by cluster (stable counting sort).
+  std::vector<int64_t> ccount(C + 1, 0);
+  for (int64_t i = 0; i < nq; ++i) ccount[cluster_of[owp[i]] + 1]++;
+  for (int64_t c = 0; c < C; ++c) ccount[c + 1] += ccount[c];
+  std::vector<int64_t> order(nq), fill(ccount.begin(), ccount.end() - 1);
+  for (int64_t i = 0; i < nq; ++i) order[fill[cluster_of[owp[i]]]++] = i;
 
   Geometry g{H, Hkv, H / Hkv, D, bs, nb * bs, MB, S,
              q.stride(0), q.stride(1),
@@ -276,25 +358,26 @@ at::Tensor branch_attention_cpu(const at::Tensor& query, const at::Tensor& kv_ca
              static_cast<float>(scale)};
   TORCH_CHECK(g.G <= kMaxRows, "too many query heads per kv head");
   const int per_item = static_cast<int>(std::max<int64_t>(1, kMaxRows / g.G));
-  struct Item { int64_t r, kvh, begin; int n; };
+  struct Item { int64_t cluster, kvh, begin; int n; };
   std::vector<Item> items;
-  for (int64_t r = 0; r < B; ++r)
-    for (int64_t b = count[r]; b < count[r + 1]; b += per_item)
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t b = ccount[c]; b < ccount[c + 1]; b += per_item)
       for (int64_t h = 0; h < Hkv; ++h)
-        items.push_back({r, h, b, static_cast<int>(std::min<int64_t>(per_item, count[r + 1] - b))});
+        items.push_back({c, h, b, static_cast<int>(std::min<int64_t>(per_item, ccount[c + 1] - b))});
+  const Sequences seqs{btp, MB, plp, owp};
 
   auto out = at::empty({nq, H, D}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "branch_attention_cpu", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     CacheView<scalar_t> cache{kv_cache.data_ptr<scalar_t>(), &g};
     scalar_t* op = out.data_ptr<scalar_t>();
-    const ChunkFn chunk = isa().chunk;
+    const int level = isa().level;
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
       Scratch sc(g);
       for (int64_t w = lo; w < hi; ++w) {
         const Item& it = items[w];
-        attend_item<scalar_t>(g, qp, cache, btp + it.r * MB, plp[it.r], dpp, stp, bsp,
-                              order.data() + it.begin, it.n, it.kvh, op, sc, chunk);
+        attend_item<scalar_t>(g, qp, cache, seqs, shared_len[it.cluster], dpp, stp, bsp, order.data() + it.begin,
+                              it.n, it.kvh, op, sc, level);
       }
     });
   });
@@ -344,6 +427,7 @@ TORCH_LIBRARY_IMPL(saguaro, CPU, m) {
 }
 
 TORCH_LIBRARY_FRAGMENT(saguaro, m) {
-  // Which CPU chunk kernel branch_attention uses ("generic" or "avx2"); a non-empty argument switches.
+  // Which CPU prefix kernel branch_attention uses ("generic", "avx2" or "avx512"); a non-empty argument
+  // switches (to one this CPU supports).
   m.def("cpu_isa(str request=\"\") -> str", &saguaro::cpu_isa);
 }

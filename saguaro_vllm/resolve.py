@@ -188,7 +188,14 @@ def resolve_for_engine(cfg: SaguaroConfig, target_model_config: Any, tp_size: in
             dtype = "bfloat16" if cpu_has_bf16_matmul() else "float32"
         else:
             dtype = str(target_model_config.dtype).removeprefix("torch.")
+    from saguaro_vllm.drafter.model.linear_kernels import resolve_linear
+
+    try:
+        linear = resolve_linear(cfg.saguaro.linear, device, dtype)
+    except ValueError as err:
+        raise SaguaroConfigError(f"speculative_config.saguaro.linear: {err}.") from None
     resolved = cfg.model_dump()
+    resolved["saguaro"]["linear"] = linear
     resolved.update(
         draft_path=str(draft_dir),
         device=device,

@@ -176,13 +176,72 @@ def test_pattern_worked_example():
     torch.testing.assert_close(out[0, 0], torch.full((D,), sum(seen) / 7.0))
 
 
-def test_generic_cpu_path_matches_reference():
-    """The baseline-ISA chunk kernel (used where AVX2/FMA is missing) is tested too."""
+@pytest.mark.parametrize("level", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("shape", [
+    dict(batch=3, branches=7, prefix_lens=[257, 19, 1], heads=8, kv_heads=2, head_size=64, dtype=torch.float32),
+    dict(batch=2, branches=24, prefix_lens=[130, 64], heads=32, kv_heads=8, head_size=128, dtype=torch.bfloat16),
+    dict(batch=2, branches=5, prefix_lens=[70, 3], heads=4, kv_heads=1, head_size=72, dtype=torch.float32),
+    dict(batch=1, branches=1, prefix_lens=[100], heads=2, kv_heads=2, head_size=64, dtype=torch.float16),
+], ids=["gqa4-f32", "many-rows-bf16", "head72-f32", "one-row-f16"])
+def test_every_cpu_isa_matches_reference(level, shape):
+    """Each prefix kernel build (baseline, AVX2, AVX-512, chosen per CPU) is tested, including items with
+    <= 8 rows and head sizes that are not a multiple of 16, where the AVX-512 build hands over to AVX2."""
     ops = torch.ops.saguaro
     active = ops.cpu_isa()
     try:
-        assert ops.cpu_isa("generic") == "generic"
-        args = make_case(3, 7, [257, 19, 1], 16, 4, 8, 2, 64, torch.float32, "cpu", seed=21)
-        torch.testing.assert_close(branch_attention(**args), reference.branch_attention(**args), **TOL[torch.float32])
+        if ops.cpu_isa(level) != level:
+            pytest.skip(f"this CPU has no {level}")
+        dtype = shape["dtype"]
+        args = make_case(**{k: v for k, v in shape.items() if k != "dtype"}, block_size=16, K=4, dtype=dtype, device="cpu", seed=21)
+        torch.testing.assert_close(branch_attention(**args), reference.branch_attention(**args), **TOL[dtype])
+    finally:
+        ops.cpu_isa(active)
+
+
+@pytest.mark.parametrize("level", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("heads,kv_heads,dtype", [(10, 10, torch.bfloat16), (8, 2, torch.float32),
+                                                  (16, 2, torch.float32), (8, 1, torch.float16)])
+@pytest.mark.parametrize("queries_per_seq", [1, 3])
+def test_forked_sequences_share_prefix_blocks(level, heads, kv_heads, dtype, queries_per_seq):
+    """Branches forked from one request share its full blocks (the same block ids) and differ after them;
+    the kernel streams the shared keys once for all of them. Covers forks whose tables diverge after one
+    block, prefix lengths that differ per fork, a fork with a shorter prefix than the shared blocks, and an
+    unrelated request in the same call."""
+    ops = torch.ops.saguaro
+    active = ops.cpu_isa()
+    try:
+        if ops.cpu_isa(level) != level:
+            pytest.skip(f"this CPU has no {level}")
+        g = torch.Generator().manual_seed(5)
+        bs, D, K = 16, 64, 3
+        free = torch.randperm(200, generator=g).tolist()
+        parent = [free.pop() for _ in range(5)]  # 5 full blocks of the request's prefix
+        tables, lens = [], []
+        for extra in (0, 3, 17, 40):  # forks: the parent's blocks, then their own
+            tables.append(parent + [free.pop() for _ in range(3)])
+            lens.append(5 * bs + extra)
+        tables.append(parent[:1] + [free.pop() for _ in range(7)])  # diverges after one block
+        lens.append(3 * bs + 5)
+        tables.append(parent[:3] + [free.pop() for _ in range(5)])  # prefix ends inside the shared blocks
+        lens.append(2 * bs + 7)
+        tables.append([free.pop() for _ in range(8)])  # another request
+        lens.append(70)
+        B = len(tables)
+        owners = torch.arange(B, dtype=torch.int32).repeat_interleave(queries_per_seq)
+        nq = owners.numel()
+        slots = torch.tensor(free[: -(-nq * K // bs)])
+        branch_slots = (slots[:, None] * bs + torch.arange(bs)).flatten()[: nq * K].view(nq, K).long()
+        args = dict(
+            query=torch.randn(nq, heads, D, generator=g).to(dtype),
+            kv_cache=torch.randn(2, 200, bs, kv_heads, D, generator=g).to(dtype),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            prefix_lens=torch.tensor(lens, dtype=torch.int32),
+            owners=owners,
+            depths=torch.randint(0, K + 1, (nq,), generator=g, dtype=torch.int32),
+            steps=torch.randint(-1, K, (nq,), generator=g, dtype=torch.int32),
+            branch_slots=branch_slots,
+            scale=D**-0.5,
+        )
+        torch.testing.assert_close(branch_attention(**args), reference.branch_attention(**args), **TOL[dtype])
     finally:
         ops.cpu_isa(active)

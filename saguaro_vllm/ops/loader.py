@@ -31,7 +31,10 @@ CUDA_SOURCES = ("cuda/ops_cuda.cpp", "cuda/kv_attention.cu", "cuda/sampling.cu")
 HEADERS = ("cpu_common.h", "attention_core.inc", "cuda/saguaro_cuda.h", "cuda/common.cuh")
 # Portable flags: no -march=native (the cache may be shared across machines), no fast-math (the sampler's
 # tokens must match the reference bit for bit given the same noise).
-CFLAGS = ["-O3"]
+# -fopenmp: at::parallel_for is an inline `#pragma omp parallel`; without it every CPU kernel runs on one
+# thread. The extension then links libgomp.so.1, the runtime torch has already loaded.
+CFLAGS = ["-O3", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 CUDA_CFLAGS = ["-O3", "-lineinfo"]
 LIB_NAME = "saguaro_ops"
 
@@ -67,7 +70,7 @@ def _build_dir(sources: list[Path], with_cuda: bool) -> Path:
     for path in sorted(sources) + sorted(CSRC / n for n in HEADERS if (CSRC / n).exists()):
         h.update(path.name.encode())
         h.update(path.read_bytes())
-    h.update(repr((CFLAGS, CUDA_CFLAGS, torch.__version__, torch.version.cuda, sys.version_info[:2],
+    h.update(repr((CFLAGS, LDFLAGS, CUDA_CFLAGS, torch.__version__, torch.version.cuda, sys.version_info[:2],
                    os.environ.get("TORCH_CUDA_ARCH_LIST"))).encode())
     root = Path(os.environ.get("SAGUARO_OPS_CACHE", Path.home() / ".cache" / "saguaro-vllm" / "ops"))
     return root / f"{'cuda' if with_cuda else 'cpu'}-{h.hexdigest()[:16]}"
@@ -93,6 +96,7 @@ def _build_and_load(with_cuda: bool) -> tuple[str, float]:
                 name=LIB_NAME,
                 sources=[str(p) for p in sources],
                 extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
                 extra_cuda_cflags=CUDA_CFLAGS,
                 extra_include_paths=[str(CSRC)],
                 build_directory=str(build_dir),

@@ -71,6 +71,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + rotated * sin[:, None]
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose matmul can be swapped for a faster path (`linear_kernels.install_linear_kernel`)."""
+
+    kernel = None  # Callable[[Tensor], Tensor] once installed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x) if self.kernel is not None else F.linear(x, self.weight, self.bias)
+
+
 class MergedLinear(nn.Module):
     """Several projections of one input fused into one matmul (q/k/v, gate/up).
 
@@ -87,6 +96,7 @@ class MergedLinear(nn.Module):
             total += size
         self.weight = nn.Parameter(torch.empty(total, in_features))
         self.bias = nn.Parameter(torch.empty(total)) if bias else None
+        self.kernel = None  # a faster matmul path, see Linear
 
     def load_shard(self, param: nn.Parameter, shard: str, loaded: torch.Tensor) -> None:
         start, size = self.offsets[shard], self.shard_sizes[shard]
@@ -96,7 +106,8 @@ class MergedLinear(nn.Module):
         param.data[start : start + size].copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return F.linear(x, self.weight, self.bias).split(list(self.shard_sizes.values()), dim=-1)
+        y = self.kernel(x) if self.kernel is not None else F.linear(x, self.weight, self.bias)
+        return y.split(list(self.shard_sizes.values()), dim=-1)
 
 
 class SiluMLP(nn.Module):
@@ -107,7 +118,7 @@ class SiluMLP(nn.Module):
         self.gate_up_proj = MergedLinear(
             hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias
         )
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)

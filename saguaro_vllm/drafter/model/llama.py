@@ -11,7 +11,7 @@ from torch import nn
 
 from saguaro_vllm.drafter.attention import Attention, AttentionMetadata
 from saguaro_vllm.drafter.model.config import DraftModelConfig
-from saguaro_vllm.drafter.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, SiluMLP, apply_rope
+from saguaro_vllm.drafter.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluMLP, apply_rope
 
 
 class LlamaAttention(nn.Module):
@@ -21,7 +21,7 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_size, cfg.num_kv_heads * cfg.head_size
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
                                      cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.head_size**-0.5)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +94,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, self.attention_cls)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -1,0 +1,96 @@
+"""Times one drafter forward as the SSD pre-draft runs it: N branches forked from one request, one new token
+each, per matmul path of the draft's linear layers (`saguaro.linear`) and prefix length.
+
+Usage: python benchmarks/bench_draft_step.py [--draft DIR] [--core 1] [--prefix 200,1000] [--rows 1,6,13,24]
+Default draft: the demo pair's cost-matched draft (built by `saguaro-vllm make-demo-pair`).
+Results: benchmarks/results/<date>-draft-step.json and a table on stdout (median ms per forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+
+def step_ms(runner, prefix: int, rows: int, reps: int) -> float:
+    ids = [f"b{rows}-{i}" for i in range(rows)]
+    for i in ids:
+        runner.fork("parent", i, prefix)
+    times = []
+    for _ in range(reps + 2):
+        t0 = time.perf_counter()
+        runner.forward([(i, [7], prefix) for i in ids])
+        times.append(time.perf_counter() - t0)
+        for i in ids:
+            runner.truncate(i, prefix)
+    for i in ids:
+        runner.free_request(i)
+    return statistics.median(times[2:]) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--draft", help="draft model directory (default: the demo pair's cost-matched draft)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--linear", default="plain,packed,int8")
+    ap.add_argument("--prefix", default="200,1000")
+    ap.add_argument("--rows", default="1,6,13,24")
+    ap.add_argument("--core", type=int, default=(os.cpu_count() or 1) - 1, help="the core to pin to (-1: none)")
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    if args.core >= 0:
+        from saguaro_vllm.placement import pin_process
+
+        pin_process([args.core])
+    from saguaro_vllm.drafter.kv_cache import KVCacheConfig
+    from saguaro_vllm.drafter.model.linear_kernels import install_linear_kernel, resolve_linear
+    from saguaro_vllm.drafter.model.loader import load_draft_model
+    from saguaro_vllm.drafter.runner import DraftModelRunner
+
+    draft = args.draft
+    if draft is None:
+        from saguaro_vllm.demo.build import ensure_demo_pair
+
+        draft = str(ensure_demo_pair(cost_matched=True).draft_cost)
+    prefixes = [int(p) for p in args.prefix.split(",")]
+    rows_list = [int(r) for r in args.rows.split(",")]
+    results = []
+    for kind in tqdm(args.linear.split(","), desc="linear paths"):
+        resolve_linear(kind, "cpu", args.dtype)  # a clear error if this path cannot run here
+        model = load_draft_model(draft, dtype=args.dtype)
+        install_linear_kernel(model, kind)
+        runner = DraftModelRunner(model, KVCacheConfig(num_blocks=4 * max(prefixes), block_size=16))
+        for prefix in prefixes:
+            runner.add_request("parent")
+            runner.forward([("parent", [5 + i % 97 for i in range(prefix)], 0)], max_tokens_per_seq=prefix)
+            for rows in rows_list:
+                results.append(dict(linear=kind, dtype=args.dtype, prefix=prefix, rows=rows,
+                                    ms=step_ms(runner, prefix, rows, args.reps)))
+            runner.free_request("parent")
+    print(f"\nms per forward, {args.dtype}, {Path(draft).name}, pinned to core {args.core}")
+    print(f"{'linear':>8} {'prefix':>6} " + " ".join(f"{r:>6d}" for r in rows_list) + "  (rows)")
+    for kind in args.linear.split(","):
+        for prefix in prefixes:
+            cells = [r["ms"] for r in results if r["linear"] == kind and r["prefix"] == prefix]
+            print(f"{kind:>8} {prefix:>6} " + " ".join(f"{c:6.1f}" for c in cells))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{dt.date.today().isoformat()}-draft-step.json"
+    meta = dict(date=dt.datetime.now().isoformat(timespec="seconds"), draft=draft, machine=platform.machine(),
+                processor=platform.processor(), cpus=os.cpu_count(), core=args.core, torch=torch.__version__,
+                cpu_capability=torch.backends.cpu.get_cpu_capability(), load_avg=os.getloadavg())
+    path.write_text(json.dumps(dict(meta=meta, results=results), indent=1) + "\n")
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
