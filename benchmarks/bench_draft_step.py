@@ -9,15 +9,12 @@ Results: benchmarks/results/<date>-draft-step.json and a table on stdout (median
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
-import torch
+from bench_ops import save_results
 from tqdm import tqdm
 
 
@@ -83,14 +80,7 @@ def main() -> None:
         for prefix in prefixes:
             cells = [r["ms"] for r in results if r["linear"] == kind and r["prefix"] == prefix]
             print(f"{kind:>8} {prefix:>6} " + " ".join(f"{c:6.1f}" for c in cells))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{dt.date.today().isoformat()}-draft-step.json"
-    meta = dict(date=dt.datetime.now().isoformat(timespec="seconds"), draft=draft, machine=platform.machine(),
-                processor=platform.processor(), cpus=os.cpu_count(), core=args.core, torch=torch.__version__,
-                cpu_capability=torch.backends.cpu.get_cpu_capability(), load_avg=os.getloadavg())
-    path.write_text(json.dumps(dict(meta=meta, results=results), indent=1) + "\n")
-    print(f"\nwrote {path}")
-
+    save_results(args.out, "draft-step", results, draft=draft, core=args.core)
 
 if __name__ == "__main__":
     main()

@@ -19,17 +19,13 @@ Results: benchmarks/results/<date>-linear.json and a table on stdout (median ms 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import os
-import platform
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from bench_ops import timeit
+from bench_ops import save_results, timeit
 
 from saguaro_vllm.drafter.model.linear_kernels import _int8_dynamic, int8_available
 
@@ -92,14 +88,7 @@ def main() -> None:
         cells = {r["path"]: r for r in results if r["shape"] == shape and r["rows"] == rows}
         print(f"{shape:22s} {rows:>4d} " + " ".join(
             f"{cells[n]['ms']:8.2f} [{cells[n]['rel_error']:.0e}]" if n in cells else f"{'-':>17s}" for n in names))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{dt.date.today().isoformat()}-linear.json"
-    meta = dict(date=dt.datetime.now().isoformat(timespec="seconds"), machine=platform.machine(),
-                processor=platform.processor(), cpus=os.cpu_count(), threads=args.threads, torch=torch.__version__,
-                cpu_capability=torch.backends.cpu.get_cpu_capability(), load_avg=os.getloadavg())
-    path.write_text(json.dumps(dict(meta=meta, results=results), indent=1) + "\n")
-    print(f"\nwrote {path}")
-
+    save_results(args.out, "linear", results, threads=args.threads)
 
 if __name__ == "__main__":
     main()

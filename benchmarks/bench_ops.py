@@ -278,17 +278,21 @@ def main() -> None:
     write(args, st, rows, "ops")
 
 
-def write(args, st, rows, kind: str) -> None:
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{dt.date.today().isoformat()}-{kind}{'-' + args.tag if args.tag else ''}.json"
+def save_results(out: Path, name: str, rows: list[dict], **meta) -> Path:
+    """`out/<date>-<name>.json` with the rows and this machine's facts (shared by the ops benchmarks)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{dt.date.today().isoformat()}-{name}.json"
     meta = dict(date=dt.datetime.now().isoformat(timespec="seconds"), machine=platform.machine(),
-                processor=platform.processor(), cpus=os.cpu_count(), threads=args.threads,
-                torch=torch.__version__, cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                load_avg=os.getloadavg(), library=st.library,
-                cpu_isa=torch.ops.saguaro.cpu_isa() if st.loaded else None)
+                processor=platform.processor(), cpus=os.cpu_count(), torch=torch.__version__,
+                cpu_capability=torch.backends.cpu.get_cpu_capability(), load_avg=os.getloadavg(), **meta)
     path.write_text(json.dumps(dict(meta=meta, results=rows), indent=1) + "\n")
     print(f"\nwrote {path}")
+    return path
 
+
+def write(args, st, rows, kind: str) -> None:
+    save_results(args.out, f"{kind}{'-' + args.tag if args.tag else ''}", rows, threads=args.threads,
+                 library=st.library, cpu_isa=torch.ops.saguaro.cpu_isa() if st.loaded else None)
 
 if __name__ == "__main__":
     main()
