@@ -184,6 +184,8 @@ def ssd_figures(delta: dict[str, float]) -> dict:
         "backups": {kind: total("vllm:saguaro_backups_total", f'kind="{kind}"') for kind in ("jit", "ngram")},
         "predraft_ms": 1e3 * total("vllm:saguaro_predraft_seconds_sum") / rounds if rounds else None,
         "verify_ms": 1e3 * total("vllm:saguaro_verify_seconds_sum") / rounds if rounds else None,
+        "late_ms": 1e3 * total("vllm:saguaro_late_seconds_sum") / rounds if rounds else None,
+        "predraft_skipped": total("vllm:saguaro_predraft_skipped_total"),
     }
 
 

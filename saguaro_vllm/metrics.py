@@ -72,6 +72,14 @@ def _prometheus() -> dict:
                 "vllm:saguaro_verify_seconds",
                 "Time between the drafter's answer and the next request: the target's verification as the "
                 "drafter sees it (mode async).", buckets=STEP_BUCKETS),
+            "late": prometheus_client.Histogram(
+                "vllm:saguaro_late_seconds",
+                "Time a step request waited for the drafter to finish the pre-draft forward in flight "
+                "(mode async).", buckets=STEP_BUCKETS),
+            "skipped": prometheus_client.Counter(
+                "vllm:saguaro_predraft_skipped",
+                "Rounds whose branch steps the drafter skipped because their expected saving was below the "
+                "lateness they cause (mode async; low hit rates at batch sizes > 1)."),
             "failures": prometheus_client.Counter(
                 "vllm:saguaro_drafter_failures",
                 "Steps in which the drafter could not answer (no drafts proposed; outputs unaffected)."),
@@ -105,8 +113,8 @@ class SaguaroMetrics:
         self.lookups_by_depth: dict[str, int] = {}
         self.hits_by_depth: dict[str, int] = {}
         self.backups: dict[str, int] = {"jit": 0, "ngram": 0}
-        self.predraft_s = self.verify_s = 0.0
-        self.predraft_rounds = self.predraft_done = self.dropped = 0
+        self.predraft_s = self.verify_s = self.late_s = 0.0
+        self.predraft_rounds = self.predraft_done = self.dropped = self.skipped = 0
         self.budget = 0
         self._last_log = time.monotonic()
         self._window = [0, 0.0, 0.0, 0, 0, 0]  # steps, round trip, compute, draft tokens, lookups, hits
@@ -165,7 +173,12 @@ class SaguaroMetrics:
             self.predraft_s += float(ssd.get("predraft_s", 0.0))
             self.verify_s += float(ssd.get("verify_s", 0.0))
             self.dropped += int(ssd.get("dropped", 0))
+            self.late_s += float(ssd.get("late_s", 0.0))
+            self.skipped += int(bool(ssd.get("skipped")))
             if prom:
+                prom["late"].observe(float(ssd.get("late_s", 0.0)))
+                if ssd.get("skipped"):
+                    prom["skipped"].inc()
                 prom["budget"].set(self.budget)
                 prom["dropped"].inc(int(ssd.get("dropped", 0)))
                 prom["predraft"].observe(float(ssd.get("predraft_s", 0.0)))
@@ -204,4 +217,5 @@ class SaguaroMetrics:
             "backups": dict(self.backups), "fanout_budget": self.budget,
             "predraft_s": self.predraft_s, "verify_s": self.verify_s, "predraft_rounds": self.predraft_rounds,
             "predraft_done": self.predraft_done, "branches_dropped": self.dropped,
+            "late_s": self.late_s, "predraft_skipped": self.skipped,
         }

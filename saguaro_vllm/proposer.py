@@ -123,7 +123,7 @@ class SaguaroProposer:
         if not rows and not self.finished:
             return drafts
         self.step_id += 1
-        request = StepRequest(self.step_id, rows, self.finished)
+        request = StepRequest(self.step_id, rows, self.finished, sent_at=time.monotonic())
         self.finished = []
         t0 = time.perf_counter()
         try:

@@ -51,6 +51,9 @@ class StepRequest:
     step: int
     rows: list[RowUpdate]
     finished: list[str]
+    #: `time.monotonic()` when the proposer sent the request (0: unknown). Linux's monotonic clock is shared
+    #: by all processes, so the drafter measures the verification time and its own lateness with it.
+    sent_at: float = 0.0
 
 
 @dataclasses.dataclass

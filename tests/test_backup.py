@@ -28,7 +28,7 @@ def test_expected_tokens():
 
 
 def _inputs(**kw):
-    base = dict(hits=0, misses=1, k=5, alpha_neural=0.8, alpha_ngram=0.1, verify_s=0.1, jit_s=0.05)
+    base = dict(hits=0, misses=1, k=5, alpha_neural=0.8, tokens_ngram=1.1, verify_s=0.1, jit_s=0.05)
     return BackupInputs(**{**base, **kw})
 
 
@@ -49,12 +49,12 @@ def test_auto_prefers_jit_when_drafting_is_cheap_and_ngram_when_one_miss_stalls_
     # Drafting slower than verification: n-gram.
     assert choose_backup("auto", _inputs(jit_s=0.5)) == "ngram"
     # A context where n-gram drafts are accepted as often as neural ones: n-gram (free).
-    assert choose_backup("auto", _inputs(alpha_ngram=0.8)) == "ngram"
+    assert choose_backup("auto", _inputs(tokens_ngram=expected_tokens(0.8, 5))) == "ngram"
 
 
 def test_auto_rule_is_the_throughput_comparison():
     x = _inputs(hits=3, misses=2, verify_s=0.2, jit_s=0.1)
-    e_jit, e_ng = expected_tokens(0.8, 5), expected_tokens(0.1, 5)
+    e_jit, e_ng = expected_tokens(0.8, 5), 1.1
     with_jit = 5 * e_jit / 0.3
     with_ngram = (3 * e_jit + 2 * e_ng) / 0.2
     assert choose_backup("auto", x) == ("jit" if with_jit >= with_ngram else "ngram")

@@ -168,3 +168,20 @@ def test_plan_predraft_prefers_depth_and_stays_in_time():
     # More branches never lower the modelled hit rate.
     rates = [expected_hit_rate(allocate_fanout(m, 0.8, 5), 0.8) for m in range(1, 30)]
     assert all(b >= a - 1e-12 for a, b in zip(rates, rates[1:]))
+
+
+def test_branches_pay_off():
+    from saguaro_vllm.drafter.predictor import branches_pay_off
+
+    cost = StepCostModel(0.015, 0.001)  # J = 5 x step(B)
+    args = dict(k=5, verify_s=0.3, cost=cost, alpha=0.6, tokens_ngram=1.1)
+    # Batch 1: a hit saves J = 80 ms with probability h; worth 10 ms of lateness at h = 0.3, not 30 ms.
+    assert branches_pay_off(0.3, 1, late_s=0.010, ngram_allowed=False, **args)
+    assert not branches_pay_off(0.3, 1, late_s=0.030, ngram_allowed=False, **args)
+    # Batch 4, h = 0.3: all four hit 0.8 % of rounds; n-gram backups do not rescue a low hit rate.
+    assert not branches_pay_off(0.3, 4, late_s=0.005, ngram_allowed=True, **args)
+    # A high hit rate at batch 16: with n-gram backups the hits carry the round even when one row misses.
+    assert branches_pay_off(0.9, 16, late_s=0.040, ngram_allowed=True, **{**args, "alpha": 0.9})
+    assert not branches_pay_off(0.9, 16, late_s=0.040, ngram_allowed=False, **{**args, "alpha": 0.9})
+    # No lateness: always worth it when any hit is possible.
+    assert branches_pay_off(0.05, 8, late_s=0.0, ngram_allowed=False, **args)

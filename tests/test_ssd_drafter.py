@@ -4,6 +4,8 @@ context (so vLLM verifies exactly what `mode: sync` would), n-gram backups are t
 cache serves hits at every depth, and all KV is freed at the end."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -49,22 +51,30 @@ def simulate_outcome(model, context, drafts, rng) -> list[int]:
     return drafts[:a] + [bonus]
 
 
-def run_rounds(model, drafter, rng, rounds=10, advance=lambda rng: 100, contexts=None):
+def run_rounds(model, drafter, rng, rounds=10, advance=lambda rng: 100, contexts=None, late_s=0.0):
+    """`late_s` > 0: each request is stamped as sent that long before the drafter takes it (after a
+    verification of at least 0.1 s), as when the answer waits for a pre-draft forward in flight."""
     contexts = contexts or {"a": list(map(int, rng.integers(2, 300, 23))), "b": list(map(int, rng.integers(2, 300, 5))),
                             "c": list(map(int, rng.integers(2, 300, 40)))}
     sent = dict.fromkeys(contexts, 0)
     statuses: list[str] = []
+    ssd_stats: list[dict] = []
     for step in range(1, rounds + 1):
         rows = []
         for rid, ctx in contexts.items():
             rows.append(RowUpdate(rid, sent[rid], ctx[sent[rid]:], K, SamplingSpec() if sent[rid] == 0 else None))
             sent[rid] = len(ctx)
-        resp = drafter.step(StepRequest(step, rows, []))
+        sent_at = 0.0
+        if late_s:
+            time.sleep(late_s + 0.1)
+            sent_at = time.monotonic() - late_s
+        resp = drafter.step(StepRequest(step, rows, [], sent_at=sent_at))
         drafter.answered()
         for _ in range(advance(rng)):
             drafter.advance()
         assert resp.resync == [] and not resp.probs
         statuses += resp.row_status
+        ssd_stats.append(resp.ssd)
         for row, drafts, status in zip(rows, resp.drafts, resp.row_status):
             ctx = contexts[row.req_id]
             if status == "ngram" or (status == "new" and resp.ssd["backup"] == "ngram"):
@@ -75,6 +85,7 @@ def run_rounds(model, drafter, rng, rounds=10, advance=lambda rng: 100, contexts
                 contexts[row.req_id] = ctx + simulate_outcome(model, ctx, drafts, rng)
             else:
                 contexts[row.req_id] = ctx + [int(rng.integers(2, 300))]
+    run_rounds.ssd_stats = ssd_stats
     return statuses, contexts
 
 
@@ -93,6 +104,25 @@ def test_greedy_answers_equal_the_draft_continuation(draft_model, advance):
         drafter.advance()
     assert drafter.reqs == {} and len(drafter.cache) == 0
     assert drafter.runner.num_free_blocks == 256
+
+
+@pytest.mark.parametrize("late_s", [0.0, 0.25])
+def test_branch_steps_skipped_when_lateness_outweighs_them(draft_model, late_s):
+    """With jit backups and 3 rows, branch steps save time only when all rows hit; when the measured
+    lateness they cause (0.25 s here) exceeds that saving the drafter stops running them (answers stay the
+    draft's continuation, every row then misses); with no lateness it keeps pre-drafting."""
+    rng = np.random.default_rng(5)
+    drafter = make_drafter(draft_model)
+    statuses, _ = run_rounds(draft_model, drafter, rng, rounds=8, late_s=late_s)
+    stats = run_rounds.ssd_stats
+    assert all(s["late_s"] >= late_s for s in stats[1:])
+    assert all(s["verify_s"] >= 0.09 for s in stats[1:]) if late_s else True  # lateness is not verification
+    skipped = [s["skipped"] for s in stats]
+    if late_s:
+        assert not skipped[1] and skipped[-1], skipped  # branches ran until their lateness was measured
+        assert statuses[-3:] == ["jit"] * 3
+    else:
+        assert not any(skipped) and "hit" in statuses
 
 
 def test_hits_at_every_depth_with_a_wide_fanout(draft_model):

@@ -5,7 +5,9 @@
   (n = 3, 2, 1): nearly free, verified one-hot (exact for any deterministic choice), rarely accepted.
 
 `choose_backup` compares the expected tokens per second of the whole step both ways. Hit rows yield the
-same tokens either way; miss rows yield `E(alpha_neural)` with jit and `E(alpha_ngram)` with n-gram drafts;
+same tokens either way; miss rows yield `E(alpha_neural)` with jit and `E_ngram` with n-gram drafts (the
+measured mean of tokens per verification of n-gram rows, rows without any n-gram draft counted as the 1
+token they yield: an acceptance rate of the drafts there are would overrate them);
 jit adds its drafting time to the round, n-gram adds nothing. So jit wins when
 
     (H + m) E_jit / (T_verify + T_jit(m))  >=  (H E_jit + m E_ngram) / T_verify
@@ -57,7 +59,7 @@ class BackupInputs:
     misses: int  # rows that need a backup
     k: int
     alpha_neural: float
-    alpha_ngram: float
+    tokens_ngram: float  # measured tokens per verification of an n-gram row (>= 1)
     verify_s: float | None  # measured verification time (None: not measured yet)
     jit_s: float | None  # estimated time to draft K tokens for the miss rows now (None: unknown)
 
@@ -71,7 +73,7 @@ def choose_backup(policy: str, x: BackupInputs) -> str:
     if x.misses == 0 or x.verify_s is None or x.jit_s is None or x.verify_s <= 0:
         return "jit"
     e_jit = expected_tokens(x.alpha_neural, x.k)
-    e_ngram = expected_tokens(x.alpha_ngram, x.k)
+    e_ngram = x.tokens_ngram
     with_jit = (x.hits + x.misses) * e_jit / (x.verify_s + x.jit_s)
     with_ngram = (x.hits * e_jit + x.misses * e_ngram) / x.verify_s
     return "jit" if with_jit >= with_ngram else "ngram"

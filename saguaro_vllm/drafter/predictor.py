@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from saguaro_vllm.drafter.backup import expected_tokens
 
 #: Exponent of the power-law miss rate P(miss | f) = f^-r. A modelling prior (the per-depth hit counters
 #: of the speculation cache can refine it); it only shapes how steeply the fan-out falls with depth.
@@ -96,6 +98,24 @@ class AcceptanceEstimate:
         self._examined = self.decay * self._examined + accepted + (1 if accepted < k else 0)
 
 
+class TokensEstimate:
+    """Mean tokens one verification yields for a kind of row, as exponentially decayed sums (the prior: 1
+    token, the bonus alone, counting as `prior_weight` observations)."""
+
+    def __init__(self, prior: float = 1.0, prior_weight: float = 4.0, decay: float = 0.95):
+        self.decay = decay
+        self._tokens = prior * prior_weight
+        self._count = prior_weight
+
+    @property
+    def mean(self) -> float:
+        return self._tokens / self._count
+
+    def observe(self, tokens: int) -> None:
+        self._tokens = self.decay * self._tokens + tokens
+        self._count = self.decay * self._count + 1
+
+
 class OutcomePredictor:
     """Fan-out per depth for a round whose drafts came from the draft model (`fast_backup=False`: a hit or
     a just-in-time neural backup) or from a fast backup (random / n-gram tokens after a miss)."""
@@ -105,6 +125,8 @@ class OutcomePredictor:
         self.r = r
         self.neural = neural or AcceptanceEstimate()
         self.backup = backup or AcceptanceEstimate(prior=0.0)
+        #: tokens per verification of n-gram rows (what the backup choice compares with jit's E(alpha))
+        self.ngram_tokens = TokensEstimate()
 
     def observe(self, accepted: int, k: int, fast_backup: bool = False) -> None:
         (self.backup if fast_backup else self.neural).observe(accepted, k)
@@ -141,6 +163,8 @@ class StepCostModel:
 class PreDraftPlan:
     branches: int  # M per request; 0: pre-drafting cannot finish in time, do not pre-draft
     steps: int  # draft tokens per branch (K, or fewer when time is short)
+    #: modelled P(hit) per request (None: a fixed plan, not modelled); not part of the plan's identity
+    hit_rate: float | None = field(default=None, compare=False)
 
 
 #: Prior of `RankEstimate`: the chance that the best candidate of a depth is the bonus token (each
@@ -187,17 +211,19 @@ def plan_predraft(verify_s: float, cost: StepCostModel, batch_size: int, k: int,
     170 ms to fill, 5 steps fit 19 branches. With 100 ms, 5 steps fit none, 4 steps fit 1 branch (score
     0.18 x 4), 3 steps fit 12 (score ~0.98 x 3): 12 branches of 3 steps.
 
-    >>> plan_predraft(0.170, StepCostModel(0.020, 0.0005), batch_size=1, k=5, alpha=0.7)
-    PreDraftPlan(branches=19, steps=5)
-    >>> plan_predraft(0.100, StepCostModel(0.020, 0.0005), batch_size=1, k=5, alpha=0.7)
-    PreDraftPlan(branches=12, steps=3)
+    >>> plan = plan_predraft(0.170, StepCostModel(0.020, 0.0005), batch_size=1, k=5, alpha=0.7)
+    >>> plan.branches, plan.steps, round(plan.hit_rate, 3)
+    (19, 5, 0.949)
+    >>> plan = plan_predraft(0.100, StepCostModel(0.020, 0.0005), batch_size=1, k=5, alpha=0.7)
+    >>> plan.branches, plan.steps
+    (12, 3)
     """
     if batch_size < 1 or k < 1 or max_branches < 1:
         raise ValueError(f"need batch_size, k, max_branches >= 1; got {batch_size}, {k}, {max_branches}")
     ranks = ranks or RankEstimate()
     glue_s = cost.step_s(batch_size)
     hit_rate: dict[int, float] = {}  # P(hit | m branches): the same for every depth tried
-    best, best_score = PreDraftPlan(0, 0), 0.0
+    best, best_score = PreDraftPlan(0, 0, 0.0), 0.0
     for steps in range(k, 0, -1):
         for m in range(1, max_branches + 1):
             if glue_s + steps * cost.step_s(batch_size * m) > verify_s:
@@ -206,5 +232,32 @@ def plan_predraft(verify_s: float, cost: StepCostModel, batch_size: int, k: int,
                 hit_rate[m] = expected_hit_rate(allocate_fanout(m, alpha, k, r), alpha, ranks)
             score = hit_rate[m] * steps
             if score > best_score + 1e-9:
-                best, best_score = PreDraftPlan(m, steps), score
+                best, best_score = PreDraftPlan(m, steps, hit_rate[m]), score
     return best
+
+
+def branches_pay_off(hit_rate: float, batch_size: int, k: int, verify_s: float, late_s: float,
+                     cost: StepCostModel, alpha: float, tokens_ngram: float, ngram_allowed: bool) -> bool:
+    """Whether a round's branch steps are worth the lateness `late_s` they cause (the answer waits for the
+    pre-draft forward in flight). Without them every row misses and gets K just-in-time draft steps over
+    the batch, J = K x step(B): tokens B E over V + J. With them:
+    - jit backups: one miss still costs J, so they save J only when all B rows hit (h^B): better iff
+      late < h^B J;
+    - n-gram backups (`auto`): no J, but misses yield E_ngram: (h B E + (1 - h) B E_ngram) / (V + late).
+    At T=0 rows hit often and this holds; with a sampled pair whose hit rate is low and a batch of
+    several rows, one miss is almost certain and the branch steps only delay the answer.
+
+    >>> cost = StepCostModel(0.015, 0.001)
+    >>> branches_pay_off(0.95, 8, 5, 0.4, 0.04, cost, 0.9, 1.1, True)
+    True
+    >>> branches_pay_off(0.3, 4, 5, 0.28, 0.015, cost, 0.6, 1.1, True)
+    False
+    """
+    jit_s = k * cost.step_s(batch_size)
+    if late_s < hit_rate ** batch_size * jit_s:
+        return True
+    if not ngram_allowed:
+        return False
+    e, e_ngram = expected_tokens(alpha, k), tokens_ngram
+    with_branches = (hit_rate * e + (1 - hit_rate) * e_ngram) / (verify_s + late_s)
+    return with_branches > e / (verify_s + jit_s)

@@ -37,6 +37,7 @@ from saguaro_vllm.drafter.predictor import (
     PreDraftPlan,
     StepCostModel,
     allocate_fanout,
+    branches_pay_off,
     plan_predraft,
     select_candidates,
 )
@@ -55,7 +56,7 @@ logger = logging.getLogger("saguaro_vllm.drafter")
 PLAN_SAFETY = 0.95
 #: Forward timings kept for the step-cost model.
 COST_SAMPLES = 64
-#: Smoothing of the measured verification time.
+#: Smoothing of the measured verification time and of the drafter's lateness.
 VERIFY_EMA = 0.3
 
 # Row status codes of `StepResponse.row_status`.
@@ -84,6 +85,8 @@ class SSDStats:
     predraft_s: float = 0.0  # time the drafter spent pre-drafting for this step's outcomes
     predraft_done: bool = False  # did that pre-draft finish before this step's request came?
     verify_s: float = 0.0  # time between the previous answer and this request (the target's verification)
+    late_s: float = 0.0  # time this request waited for the pre-draft forward in flight
+    skipped: bool = False  # the branch steps were skipped: their expected saving was below their lateness
     branches: int = 0  # branches cached for this step's lookups
     backup: str = ""  # jit | ngram: what this step's misses got
     alpha: float = 0.0  # acceptance estimate of neural drafts
@@ -110,7 +113,9 @@ class SSDDrafter(SyncDrafter):
         self._run: BranchRun | None = None  # the pre-draft's branch run (its step index picks Saguaro's F)
         self._costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=COST_SAMPLES)
         self._verify_s: float | None = None
-        self._answered_at: float | None = None
+        #: what the answer waits for a pre-draft forward in flight, in rounds that ran branch steps
+        self._late_s: float | None = None
+        self._answered_at: float | None = None  # time.monotonic(), the clock of StepRequest.sent_at
         self._predraft = SSDStats()
         self._fanout: list[int] = []  # the neural allocation in use (Saguaro sampling's F per depth)
 
@@ -140,7 +145,7 @@ class SSDDrafter(SyncDrafter):
 
     def answered(self) -> None:
         """The answer of the last `step` went out: the verification starts now."""
-        self._answered_at = time.perf_counter()
+        self._answered_at = time.monotonic()
 
     def advance(self) -> None:
         """One forward of the pre-draft, or the deferred clean-up when no pre-draft is pending."""
@@ -171,12 +176,7 @@ class SSDDrafter(SyncDrafter):
         t0 = time.perf_counter()
         stats = self._predraft
         stats.predraft_done = self._work is None
-        if self._answered_at is not None:
-            measured = t0 - self._answered_at
-            self._verify_s = measured if self._verify_s is None else (
-                (1 - VERIFY_EMA) * self._verify_s + VERIFY_EMA * measured)
-            stats.verify_s = measured
-        self._answered_at = None
+        self._measure_round(req, stats)
         if self.opts.get("finish_predraft"):
             while self._work is not None:
                 self.advance()
@@ -203,6 +203,8 @@ class SSDDrafter(SyncDrafter):
                 if outcome is not None:
                     depth[i] = outcome.accepted
                     self.predictor.observe(outcome.accepted, len(sent.drafts), fast_backup=sent.fast)
+                    if sent.fast:
+                        self.predictor.ngram_tokens.observe(outcome.accepted + 1)
                     if sent.ranked is not None and not sent.fast:
                         ranked = sent.ranked[outcome.accepted]
                         self.ranks.observe(ranked.index(outcome.bonus) if outcome.bonus in ranked else MAX_RANK)
@@ -242,6 +244,8 @@ class SSDDrafter(SyncDrafter):
             for i in misses:
                 st = self.reqs[req.rows[i].req_id]
                 drafts[i] = ngram_drafts(st.context, req.rows[i].num_drafts)
+                if not drafts[i]:  # no earlier occurrence: this verification yields the bonus token alone
+                    self.predictor.ngram_tokens.observe(1)
                 st.drafted, st.draft_logits = [], []
                 status[i] = NGRAM if status[i] == JIT else status[i]
         self._draft_now(req, drafts, probs, topups, misses if kind == JIT else [])
@@ -267,6 +271,22 @@ class SSDDrafter(SyncDrafter):
         self._predraft = SSDStats()
         return resp
 
+    def _measure_round(self, req: StepRequest, stats: SSDStats) -> None:
+        """Verification time (previous answer -> this request's send) and lateness (send -> now). Timing
+        the verification from now instead would count the lateness in and grow the next plan by it."""
+        now = time.monotonic()
+        sent = req.sent_at if 0.0 < req.sent_at <= now else now
+        if self._answered_at is not None:
+            measured = max(0.0, sent - self._answered_at)
+            self._verify_s = measured if self._verify_s is None else (
+                (1 - VERIFY_EMA) * self._verify_s + VERIFY_EMA * measured)
+            stats.verify_s = measured
+            stats.late_s = now - sent
+            if stats.budget and not stats.skipped:  # only rounds that ran branch steps tell their lateness
+                self._late_s = stats.late_s if self._late_s is None else (
+                    (1 - VERIFY_EMA) * self._late_s + VERIFY_EMA * stats.late_s)
+        self._answered_at = None
+
     def _choose_backup(self, req: StepRequest, hits: int, misses: list[int]) -> str:
         policy = self.opts.get("backup", "auto")
         if not misses or policy != "auto":
@@ -281,7 +301,7 @@ class SSDDrafter(SyncDrafter):
             jit_s = cost.step_s(first) + (k - 1) * cost.step_s(len(misses))
         return choose_backup("auto", BackupInputs(
             hits=hits, misses=len(misses), k=k, alpha_neural=self.predictor.neural.alpha,
-            alpha_ngram=self.predictor.backup.alpha, verify_s=self._verify_s, jit_s=jit_s))
+            tokens_ngram=self.predictor.ngram_tokens.mean, verify_s=self._verify_s, jit_s=jit_s))
 
     def _draft_now(self, req: StepRequest, drafts, probs, topups, jit_rows) -> None:
         """Draft on the critical path: K tokens for jit misses, the missing tail of hits cut short."""
@@ -359,8 +379,17 @@ class SSDDrafter(SyncDrafter):
         plan = plan_predraft(PLAN_SAFETY * self._verify_s, cost, batch, k, self.predictor.neural.alpha,
                              max_branches=int(self.opts.get("max_fanout_budget", 32)), ranks=self.ranks)
         if plan.branches == 0:  # not even one branch per depth fits one step: the most likely outcomes only
-            return PreDraftPlan(max(1, min(2, k + 1)), 1)
+            return PreDraftPlan(max(1, min(2, k + 1)), 1, None)
         return plan
+
+    def _branches_pay_off(self, plan: PreDraftPlan, batch: int, k: int) -> bool:
+        """`predictor.branches_pay_off` for a modelled plan, once lateness and step costs are measured."""
+        cost = self._cost_model()
+        if plan.hit_rate is None or self._late_s is None or cost is None or self._verify_s is None:
+            return True
+        return branches_pay_off(plan.hit_rate, batch, k, self._verify_s, self._late_s, cost,
+                                self.predictor.neural.alpha, self.predictor.ngram_tokens.mean,
+                                ngram_allowed=self.opts.get("backup", "auto") != "jit")
 
     def _fanout_for(self, sent: _Sent, budget: int) -> list[int]:
         k = len(sent.drafts)
@@ -382,12 +411,16 @@ class SSDDrafter(SyncDrafter):
             yield
             if not roots:
                 return
+            for root, sc in zip(roots, scores, strict=True):
+                self._sent[root.req_id].ranked = _ranked(sc, root.drafts)
             k = max(r.k for r in roots)
             plan = self._plan(len(roots), k)
             stats.budget, stats.plan_steps = plan.branches, plan.steps
+            if not self._branches_pay_off(plan, len(roots), k):
+                stats.skipped = True
+                return
             candidates = []
             for root, sc in zip(roots, scores, strict=True):
-                self._sent[root.req_id].ranked = _ranked(sc, root.drafts)
                 fan = self._fanout_for(self._sent[root.req_id], plan.branches)
                 if not self._sent[root.req_id].fast:
                     self._fanout = fan
