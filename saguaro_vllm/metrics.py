@@ -70,8 +70,8 @@ def _prometheus() -> dict:
                 buckets=STEP_BUCKETS),
             "verify": prometheus_client.Histogram(
                 "vllm:saguaro_verify_seconds",
-                "Time between the drafter's answer and the next request: the target's verification as the "
-                "drafter sees it (mode async).", buckets=STEP_BUCKETS),
+                "Time between the drafter's answer and the proposer sending the next request: the target's "
+                "verification (mode async).", buckets=STEP_BUCKETS),
             "late": prometheus_client.Histogram(
                 "vllm:saguaro_late_seconds",
                 "Time a step request waited for the drafter to finish the pre-draft forward in flight "

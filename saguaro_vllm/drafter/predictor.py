@@ -75,45 +75,57 @@ def select_candidates(scores: torch.Tensor, drafts: Sequence[int], fanout: Seque
     return [(j, toks[rank]) for rank in range(widest) for j, toks in enumerate(per_depth) if rank < len(toks)]
 
 
-class AcceptanceEstimate:
-    """α as a ratio of exponentially decayed counts: accepted drafts over drafts the target examined
-    (a accepted, plus the rejected one when a < K). This is the estimator of a geometric acceptance model
-    truncated at K; the prior counts as `prior_weight` rounds of `prior` and fades like any observation."""
+class DecayedRatio:
+    """A ratio of exponentially decayed sums; the prior counts as `prior_weight` observations of `prior`
+    and fades like any observation."""
+
+    def __init__(self, prior: float, prior_weight: float = 4.0, decay: float = 0.95):
+        if prior < 0 or prior_weight <= 0 or not 0.0 < decay <= 1.0:
+            raise ValueError(f"bad {type(self).__name__}({prior}, {prior_weight}, {decay})")
+        self.decay = decay
+        self._num = prior * prior_weight
+        self._den = prior_weight
+
+    @property
+    def ratio(self) -> float:
+        return self._num / self._den
+
+    def _add(self, num: float, den: float) -> None:
+        self._num = self.decay * self._num + num
+        self._den = self.decay * self._den + den
+
+
+class AcceptanceEstimate(DecayedRatio):
+    """α: accepted drafts over drafts the target examined (a accepted, plus the rejected one when a < K),
+    the estimator of a geometric acceptance model truncated at K."""
 
     def __init__(self, prior: float = 0.6, prior_weight: float = 4.0, decay: float = 0.95):
-        if not 0.0 <= prior <= 1.0 or prior_weight <= 0 or not 0.0 < decay <= 1.0:
+        if prior > 1.0:
             raise ValueError(f"bad AcceptanceEstimate({prior}, {prior_weight}, {decay})")
-        self.decay = decay
-        self._accepted = prior * prior_weight
-        self._examined = prior_weight
+        super().__init__(prior, prior_weight, decay)
 
     @property
     def alpha(self) -> float:
-        return self._accepted / self._examined
+        return self.ratio
 
     def observe(self, accepted: int, k: int) -> None:
         if not 0 <= accepted <= k:
             raise ValueError(f"accepted must lie in 0..{k}, got {accepted}")
-        self._accepted = self.decay * self._accepted + accepted
-        self._examined = self.decay * self._examined + accepted + (1 if accepted < k else 0)
+        self._add(accepted, accepted + (1 if accepted < k else 0))
 
 
-class TokensEstimate:
-    """Mean tokens one verification yields for a kind of row, as exponentially decayed sums (the prior: 1
-    token, the bonus alone, counting as `prior_weight` observations)."""
+class TokensEstimate(DecayedRatio):
+    """Mean tokens one verification yields for a kind of row (prior: 1 token, the bonus alone)."""
 
     def __init__(self, prior: float = 1.0, prior_weight: float = 4.0, decay: float = 0.95):
-        self.decay = decay
-        self._tokens = prior * prior_weight
-        self._count = prior_weight
+        super().__init__(prior, prior_weight, decay)
 
     @property
     def mean(self) -> float:
-        return self._tokens / self._count
+        return self.ratio
 
     def observe(self, tokens: int) -> None:
-        self._tokens = self.decay * self._tokens + tokens
-        self._count = self.decay * self._count + 1
+        self._add(tokens, 1)
 
 
 class OutcomePredictor:
@@ -258,6 +270,6 @@ def branches_pay_off(hit_rate: float, batch_size: int, k: int, verify_s: float, 
         return True
     if not ngram_allowed:
         return False
-    e, e_ngram = expected_tokens(alpha, k), tokens_ngram
-    with_branches = (hit_rate * e + (1 - hit_rate) * e_ngram) / (verify_s + late_s)
+    e = expected_tokens(alpha, k)
+    with_branches = (hit_rate * e + (1 - hit_rate) * tokens_ngram) / (verify_s + late_s)
     return with_branches > e / (verify_s + jit_s)

@@ -99,6 +99,10 @@ def _ranked(scores: torch.Tensor, drafts) -> list[list[int]]:
     return [[t for t in row if j >= len(drafts) or t != drafts[j]][:MAX_RANK] for j, row in enumerate(top)]
 
 
+def _smooth(old: float | None, new: float) -> float:
+    return new if old is None else (1 - VERIFY_EMA) * old + VERIFY_EMA * new
+
+
 class SSDDrafter(SyncDrafter):
     def __init__(self, runner: DraftModelRunner, vocab_size: int, options: dict):
         super().__init__(runner, vocab_size, keep_logits=True)
@@ -277,14 +281,11 @@ class SSDDrafter(SyncDrafter):
         now = time.monotonic()
         sent = req.sent_at if 0.0 < req.sent_at <= now else now
         if self._answered_at is not None:
-            measured = max(0.0, sent - self._answered_at)
-            self._verify_s = measured if self._verify_s is None else (
-                (1 - VERIFY_EMA) * self._verify_s + VERIFY_EMA * measured)
-            stats.verify_s = measured
+            stats.verify_s = max(0.0, sent - self._answered_at)
             stats.late_s = now - sent
+            self._verify_s = _smooth(self._verify_s, stats.verify_s)
             if stats.budget and not stats.skipped:  # only rounds that ran branch steps tell their lateness
-                self._late_s = stats.late_s if self._late_s is None else (
-                    (1 - VERIFY_EMA) * self._late_s + VERIFY_EMA * stats.late_s)
+                self._late_s = _smooth(self._late_s, stats.late_s)
         self._answered_at = None
 
     def _choose_backup(self, req: StepRequest, hits: int, misses: list[int]) -> str:
@@ -379,7 +380,7 @@ class SSDDrafter(SyncDrafter):
         plan = plan_predraft(PLAN_SAFETY * self._verify_s, cost, batch, k, self.predictor.neural.alpha,
                              max_branches=int(self.opts.get("max_fanout_budget", 32)), ranks=self.ranks)
         if plan.branches == 0:  # not even one branch per depth fits one step: the most likely outcomes only
-            return PreDraftPlan(max(1, min(2, k + 1)), 1, None)
+            return PreDraftPlan(max(1, min(2, k + 1)), 1)
         return plan
 
     def _branches_pay_off(self, plan: PreDraftPlan, batch: int, k: int) -> bool:
