@@ -20,6 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 PROPOSER_CLASS = "saguaro_vllm.proposer.SaguaroProposer"
 ADDITIONAL_CONFIG_KEY = "saguaro"
 MAX_SPECULATIVE_TOKENS = 32
+#: Options of `mode: "async"` (SSD) only: giving one with `mode: "sync"` is an error, not silently ignored.
+ASYNC_ONLY = ("fanout", "fanout_budget", "max_fanout_budget", "miss_fanout", "backup", "finish_predraft",
+              "sampling_scale", "sampling_scale_tokens")
 
 
 class SaguaroConfigError(ValueError):
@@ -29,7 +32,8 @@ class SaguaroConfigError(ValueError):
 class SaguaroOptions(BaseModel):
     """The nested `"saguaro"` object of the speculative config."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON config says what it means ("5" is not 5, "yes" is not true)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     mode: Literal["sync", "async"] = Field(
         "sync",
@@ -180,11 +184,18 @@ class SaguaroOptions(BaseModel):
 class SaguaroConfig(BaseModel):
     """The whole speculative config of `method: "saguaro"`, resolved for the drafter."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON config says what it means ("5" is not 5, "yes" is not true)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     method: Literal["saguaro"]
     model: str = Field(description="The draft model: a local Hugging Face model directory (or a cached HF id).")
     num_speculative_tokens: int = Field(description="K: draft tokens per verification.")
+    max_model_len: int | None = Field(
+        None,
+        description="vLLM's key for a draft's maximum length: contexts longer than this get no drafts (at "
+        "most max_model_len - context tokens near it). At most the target's max_model_len. Default: no "
+        "limit beyond the drafter's KV cache.",
+    )
     saguaro: SaguaroOptions = Field(default_factory=SaguaroOptions)
 
     @field_validator("num_speculative_tokens")
@@ -194,43 +205,125 @@ class SaguaroConfig(BaseModel):
             raise ValueError(f"must be between 1 and {MAX_SPECULATIVE_TOKENS}")
         return v
 
+    @field_validator("max_model_len")
+    @classmethod
+    def _max_len(cls, v: int | None) -> int | None:
+        if v is not None and v < 2:
+            raise ValueError("must be >= 2 (a context and a draft), or null for no limit")
+        return v
+
     @model_validator(mode="after")
-    def _fanout_lengths(self) -> SaguaroConfig:
+    def _combinations(self) -> SaguaroConfig:
+        """Options that contradict each other or would be silently ignored are errors, naming the fix."""
+        opts, given = self.saguaro, self.saguaro.model_fields_set
+        if opts.mode == "sync":
+            for name in ASYNC_ONLY:
+                if name in given:
+                    raise ValueError(
+                        f"saguaro.{name}: only used with mode 'async' (SSD), but mode is 'sync'; set "
+                        f"saguaro.mode to 'async', or remove {name}"
+                    )
         k = self.num_speculative_tokens
         for name in ("fanout", "miss_fanout"):
-            value = getattr(self.saguaro, name)
+            value = getattr(opts, name)
             if value is not None and len(value) != k + 1:
                 raise ValueError(
                     f"saguaro.{name} needs K+1 = {k + 1} numbers (one per accepted depth 0..{k}), got "
                     f"{len(value)}: give {k + 1} numbers or remove it for the automatic fan-out"
                 )
+        if opts.fanout is not None:
+            for name in ("fanout_budget", "max_fanout_budget"):
+                if name in given:
+                    raise ValueError(f"saguaro.{name}: has no effect when saguaro.fanout is set (the fixed "
+                                     f"fan-out fixes the branches); remove {name} or fanout")
+        elif opts.fanout_budget is not None and "max_fanout_budget" in given:
+            raise ValueError("saguaro.max_fanout_budget: bounds the automatic budget only, and fanout_budget "
+                             "fixes it; remove max_fanout_budget or fanout_budget")
+        if opts.miss_fanout is not None and opts.backup == "jit":
+            raise ValueError("saguaro.miss_fanout: is the fan-out of rounds drafted by the n-gram backup, which "
+                             "backup 'jit' never uses; remove miss_fanout or set backup to 'auto' or 'ngram'")
+        if "sampling_scale_tokens" in given and opts.sampling_scale == 1.0:
+            raise ValueError("saguaro.sampling_scale_tokens: only used when sampling_scale < 1 (Saguaro "
+                             "sampling is off at 1); set sampling_scale below 1 or remove sampling_scale_tokens")
         return self
 
 
-def _format_validation_error(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"])
-        if not field:  # a check across fields: its message names them
-            lines.append(f"speculative_config.{e['msg'].removeprefix('Value error, ')}")
-        elif e["type"] == "extra_forbidden":
-            owner = SaguaroOptions if len(e["loc"]) > 1 else SaguaroConfig
-            allowed = ", ".join(owner.model_fields)
-            lines.append(f"speculative_config.{field}: unknown key. Allowed keys here: {allowed}.")
-        elif e["type"] == "missing":
-            lines.append(f"speculative_config.{field}: required, add it (see docs/configuration.md).")
-        else:
-            lines.append(f"speculative_config.{field}: {e['msg']} (got {e.get('input')!r}).")
-    return "Invalid Saguaro speculative config:\n  " + "\n  ".join(lines)
+#: Readable types for pydantic's type errors: "must be <this>".
+_TYPE_NAMES = {
+    "int_type": "an integer, e.g. 4", "float_type": "a number, e.g. 0.5", "bool_type": "true or false",
+    "string_type": "a string", "list_type": "a JSON list, e.g. [4, 2, 1]",
+    "model_type": "a JSON object of Saguaro options", "dict_type": "a JSON object",
+}
+
+_JSON_KINDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+               "list": "a list", "dict": "an object", "NoneType": "null"}
+
+
+def _field_name(loc: tuple) -> str:
+    """`("saguaro", "fanout", 1)` -> `saguaro.fanout[1]`."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _format_error(e: dict) -> str:
+    field = _field_name(e["loc"])
+    msg = e["msg"].removeprefix("Value error, ")
+    if not field:  # a check across fields: its message starts with the field it names
+        return f"speculative_config.{msg}."
+    if e["type"] == "extra_forbidden":
+        owner = SaguaroOptions if len(e["loc"]) > 1 else SaguaroConfig
+        allowed = ", ".join(owner.model_fields)
+        return f"speculative_config.{field}: unknown key; allowed keys here: {allowed} (docs/configuration.md)."
+    if e["type"] == "missing":
+        return f"speculative_config.{field}: required; add it (docs/configuration.md)."
+    got = e.get("input")
+    kind = _JSON_KINDS.get(type(got).__name__, type(got).__name__)
+    shown = f"{got!r}" + (f", {kind}" if e["type"] in _TYPE_NAMES else "")
+    if e["type"] in _TYPE_NAMES:
+        msg = f"must be {_TYPE_NAMES[e['type']]}"
+    return f"speculative_config.{field}: {msg.replace('Input should be', 'must be')} (got {shown})."
+
+
+def _normalized(obj: dict[str, Any], where: str, errors: list[str]) -> dict[str, Any]:
+    """Keys with '-' become '_' at every level (`fanout-budget` is `fanout_budget`, as on vLLM's command
+    line); the same key given both ways is an error."""
+    out: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    for key, value in obj.items():
+        name = key.replace("-", "_") if isinstance(key, str) else key
+        if name in out:
+            errors.append(f"{where}.{name}: given twice (as {spelled[name]!r} and {key!r}); keep one.")
+            continue
+        out[name], spelled[name] = value, key
+    return out
+
+
+def parse_speculative_config(raw: dict[str, Any]) -> tuple[SaguaroConfig, dict[str, Any]]:
+    """Validate the raw speculative-config dict of `method: "saguaro"`: (the Saguaro config, the vLLM keys
+    to pass through to vLLM's own config). Raises one SaguaroConfigError listing every bad field."""
+    from saguaro_vllm.vllm_spec_keys import split_vllm_keys
+
+    errors: list[str] = []
+    data = _normalized(raw, "speculative_config", errors)
+    if isinstance(data.get(ADDITIONAL_CONFIG_KEY), dict):
+        data[ADDITIONAL_CONFIG_KEY] = _normalized(data[ADDITIONAL_CONFIG_KEY], "speculative_config.saguaro", errors)
+    data, passed, refused = split_vllm_keys(data)
+    errors += refused
+    try:
+        cfg = SaguaroConfig.model_validate(data)
+    except ValidationError as err:
+        errors += [_format_error(e) for e in err.errors()]
+    if errors:
+        raise SaguaroConfigError("Invalid Saguaro speculative config:\n  " + "\n  ".join(errors))
+    return cfg, passed
 
 
 def parse_saguaro_config(raw: dict[str, Any]) -> SaguaroConfig:
-    """Validate the raw speculative-config dict (keys may use '-' or '_')."""
-    data = {k.replace("-", "_"): v for k, v in raw.items()}
-    try:
-        return SaguaroConfig.model_validate(data)
-    except ValidationError as err:
-        raise SaguaroConfigError(_format_validation_error(err)) from None
+    """The Saguaro config of a raw speculative-config dict (keys may use '-' or '_'); see
+    `parse_speculative_config`."""
+    return parse_speculative_config(raw)[0]
 
 
 def load_speculative_config_arg(value: str) -> dict[str, Any]:

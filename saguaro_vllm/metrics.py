@@ -80,6 +80,18 @@ def _prometheus() -> dict:
                 "vllm:saguaro_predraft_skipped",
                 "Rounds whose branch steps the drafter skipped because their expected saving was below the "
                 "lateness they cause (mode async; low hit rates at batch sizes > 1)."),
+            "cut_short": prometheus_client.Counter(
+                "vllm:saguaro_predraft_cut_short",
+                "Pre-drafts still running when the next step's request came, cut short: the branches drafted "
+                "so far are cached (mode async, finish_predraft false)."),
+            "topups": prometheus_client.Counter(
+                "vllm:saguaro_topups",
+                "Cache hits on a branch that was cut short, completed to K drafts on the critical path (mode "
+                "async)."),
+            "no_room": prometheus_client.Counter(
+                "vllm:saguaro_rows_no_room",
+                "Rows that got no drafts because the drafter's KV cache had no room for them (both modes; they "
+                "complete unspeculated); raise saguaro.kv_cache_gb if this grows."),
             "failures": prometheus_client.Counter(
                 "vllm:saguaro_drafter_failures",
                 "Steps in which the drafter could not answer (no drafts proposed; outputs unaffected)."),
@@ -116,6 +128,7 @@ class SaguaroMetrics:
         self.predraft_s = self.verify_s = self.late_s = 0.0
         self.predraft_rounds = self.predraft_done = self.dropped = self.skipped = 0
         self.budget = 0
+        self.cut_short = self.topups = self.rows_no_room = 0
         self._last_log = time.monotonic()
         self._window = [0, 0.0, 0.0, 0, 0, 0]  # steps, round trip, compute, draft tokens, lookups, hits
 
@@ -141,6 +154,10 @@ class SaguaroMetrics:
             self.prom["requests"].set(live_requests)
             self.prom["free_blocks"].set(free_blocks)
         if row_status:
+            no_room = row_status.count("noroom")
+            self.rows_no_room += no_room
+            if no_room and self.prom:
+                self.prom["no_room"].inc(no_room)
             self._on_ssd(row_status, row_depth or [-1] * len(row_status), ssd or {})
         self._maybe_log()
 
@@ -166,8 +183,16 @@ class SaguaroMetrics:
                 self.backups[status] += 1
                 if prom:
                     prom["backups"].labels(kind=status).inc()
+        if ssd.get("topups"):
+            self.topups += int(ssd["topups"])
+            if prom:
+                prom["topups"].inc(int(ssd["topups"]))
         if ssd.get("budget"):
             self.budget = int(ssd["budget"])
+            if not ssd.get("predraft_done"):
+                self.cut_short += 1
+                if prom:
+                    prom["cut_short"].inc()
             self.predraft_rounds += 1
             self.predraft_done += int(bool(ssd.get("predraft_done")))
             self.predraft_s += float(ssd.get("predraft_s", 0.0))
@@ -218,4 +243,5 @@ class SaguaroMetrics:
             "predraft_s": self.predraft_s, "verify_s": self.verify_s, "predraft_rounds": self.predraft_rounds,
             "predraft_done": self.predraft_done, "branches_dropped": self.dropped,
             "late_s": self.late_s, "predraft_skipped": self.skipped,
+            "predraft_cut_short": self.cut_short, "topups": self.topups, "rows_no_room": self.rows_no_room,
         }

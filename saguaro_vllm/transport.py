@@ -68,9 +68,10 @@ class StepResponse:
     error: str | None = None
     live_requests: int = 0  # requests the drafter holds state for, after this step
     free_blocks: int = 0  # free blocks of the drafter's KV cache, after this step
-    #: `mode: async` only, per row: hit (from the speculation cache), jit or ngram (a miss and its backup),
-    #: new (no round to look up: a new or resent request), none (no drafts); and the accepted count a of
-    #: the outcome looked up (-1: none derivable).
+    #: Per row: noroom (no drafts: the drafter's KV cache had no room), none (no drafts otherwise); in
+    #: `mode: sync` drafted, in `mode: async` hit (from the speculation cache), jit or ngram (a miss and its
+    #: backup), new (no round to look up: a new or resent request); and, async only, the accepted count a
+    #: of the outcome looked up (-1: none derivable).
     row_status: list[str] = dataclasses.field(default_factory=list)
     row_depth: list[int] = dataclasses.field(default_factory=list)
     #: `mode: async` only: `ssd_drafter.SSDStats` of this step, as a dict.

@@ -1,13 +1,23 @@
-"""Bad Saguaro configs fail in the front end, before any engine process starts, naming the field."""
+"""Bad Saguaro configs fail in the front end, before any engine process starts, with one message that names
+the field and the fix: through vLLM's own `EngineArgs.create_engine_config` (plugin patches applied) and
+through the `vllm serve` command line. vLLM's own speculative keys are passed through or refused, each
+with its reason."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import pathlib
+import subprocess
+import time
 
 import pytest
 
-from saguaro_vllm.config import SaguaroConfigError, load_speculative_config_arg, parse_saguaro_config
+from saguaro_vllm.config import ASYNC_ONLY, SaguaroConfigError, SaguaroOptions, load_speculative_config_arg, \
+    parse_saguaro_config
+from saguaro_vllm.vllm_spec_keys import PASSED_THROUGH, REFUSED, SAGUARO_FIELDS
+
+TARGET_MAX_LEN = 256
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +26,7 @@ def engine_config():
     from vllm.engine.arg_utils import EngineArgs
 
     def create(target: str, spec) -> object:
-        args = EngineArgs(model=target, speculative_config=spec, enforce_eager=True, max_model_len=256,
+        args = EngineArgs(model=target, speculative_config=spec, enforce_eager=True, max_model_len=TARGET_MAX_LEN,
                           dtype="float32")
         return args.create_engine_config()
 
@@ -25,6 +35,15 @@ def engine_config():
 
 def _assert_no_engine_started():
     assert not multiprocessing.active_children(), "an engine process was started"
+
+
+def _full(draft: str, spec: dict) -> dict:
+    """The base config (K=3) with `spec`'s keys on top; its "saguaro" object merged into the base's."""
+    spec = dict(spec)
+    full = {"method": "saguaro", "model": draft, "num_speculative_tokens": 3}
+    if "saguaro" in spec:
+        full["saguaro"] = spec.pop("saguaro")
+    return {**full, **spec}
 
 
 def test_valid_config_resolves(tiny_pair, engine_config):
@@ -39,33 +58,103 @@ def test_valid_config_resolves(tiny_pair, engine_config):
     _assert_no_engine_started()
 
 
-@pytest.mark.parametrize(
-    ("spec", "needle"),
-    [
-        ({"saguaro": {"fan_out": 3}}, "speculative_config.saguaro.fan_out: unknown key"),
-        ({"saguaro": {"fanout": [1, 1]}}, "speculative_config.saguaro.fanout needs K+1 = 4 numbers"),
-        ({"saguaro": {"miss_fanout": [0, 0, 0, 0]}}, "speculative_config.saguaro.miss_fanout: Value error"),
-        ({"saguaro": {"sampling_scale": 1.5}}, "speculative_config.saguaro.sampling_scale: Value error, must lie"),
-        ({"saguaro": {"backup": "random"}}, "speculative_config.saguaro.backup"),
-        ({"saguaro": {"fanout_budget": 0}}, "speculative_config.saguaro.fanout_budget"),
-        ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
-        ({"num_speculative_tokens": 99}, "speculative_config.num_speculative_tokens"),
-        ({"model": "/nonexistent/draft"}, "speculative_config.model: draft model '/nonexistent/draft' not found"),
-        ({"saguaro": {"device": "cuda:0"}}, "speculative_config.saguaro.device"),
-        ({"saguaro": {"device": "tpu"}}, "speculative_config.saguaro.device"),
-        ({"saguaro": {"mode": "ssd"}}, "speculative_config.saguaro.mode"),
-        ({"saguaro": {"draft_cores": [999]}}, "speculative_config.saguaro.draft_cores"),
-        ({"unknown_top": 1}, "speculative_config.unknown_top: unknown key"),
-    ],
-)
-def test_bad_config_errors_name_the_field(tiny_pair, engine_config, spec, needle):
+def test_dashed_keys_accepted_at_every_level(tiny_pair, engine_config):
+    """`fanout-budget` means `fanout_budget` in the nested object too, as `num-speculative-tokens` does at the
+    top level (vLLM's command line spells keys with dashes)."""
     target, draft = tiny_pair
-    base = {"method": "saguaro", "model": draft, "num_speculative_tokens": 3}
-    saguaro = {**base.get("saguaro", {}), **spec.pop("saguaro", {})}
-    full = {**base, **spec, **({"saguaro": saguaro} if saguaro else {})}
+    cfg = engine_config(target, {"method": "saguaro", "model": draft, "num-speculative-tokens": 2,
+                                 "saguaro": {"mode": "async", "fanout-budget": 4, "kv-cache-gb": 0.25}})
+    opts = cfg.additional_config["saguaro"]["saguaro"]
+    assert (cfg.speculative_config.num_speculative_tokens, opts["fanout_budget"], opts["kv_cache_gb"]) == (2, 4, 0.25)
+
+
+def test_vllm_keys_passed_through(tiny_pair, engine_config):
+    target, draft = tiny_pair
+    cfg = engine_config(target, _full(draft, {"rejection_sample_method": "standard", "draft_tensor_parallel_size": 1,
+                                              "max_model_len": 200}))
+    assert cfg.speculative_config.rejection_sample_method == "standard"
+    assert cfg.speculative_config.draft_tensor_parallel_size == 1
+    assert cfg.additional_config["saguaro"]["max_model_len"] == 200  # honoured by the drafter
+
+
+# (the config's keys over the base {"method": "saguaro", "model": DRAFT, "num_speculative_tokens": 3},
+#  what the one error line starts with, a piece of the fix it must name)
+BAD = [
+    # wrong types (strict: no silent coercion)
+    ({"num_speculative_tokens": "5"}, "speculative_config.num_speculative_tokens:", "must be an integer"),
+    ({"num_speculative_tokens": 4.0}, "speculative_config.num_speculative_tokens:", "must be an integer"),
+    ({"saguaro": {"kv_cache_gb": "1"}}, "speculative_config.saguaro.kv_cache_gb:", "must be a number"),
+    ({"saguaro": {"mode": "async", "finish_predraft": "yes"}}, "speculative_config.saguaro.finish_predraft:",
+     "must be true or false"),
+    ({"saguaro": ["mode", "async"]}, "speculative_config.saguaro:", "must be a JSON object"),
+    ({"saguaro": {"mode": "async", "fanout": [1, "a", 1, 1]}}, "speculative_config.saguaro.fanout[1]:",
+     "must be an integer"),
+    # unknown keys, dashes
+    ({"saguaro": {"fan_out": 3}}, "speculative_config.saguaro.fan_out: unknown key", "allowed keys here: mode"),
+    ({"unknown_top": 1}, "speculative_config.unknown_top: unknown key", "allowed keys here: method"),
+    ({"saguaro": {"mode": "async", "fanout-budget": 2, "fanout_budget": 3}},
+     "speculative_config.saguaro.fanout_budget: given twice", "keep one"),
+    ({"saguaro": {"mode": "ssd"}}, "speculative_config.saguaro.mode:", "must be 'sync' or 'async'"),
+    # impossible fan-outs
+    ({"saguaro": {"mode": "async", "fanout": [1, 1]}}, "speculative_config.saguaro.fanout needs K+1 = 4 numbers",
+     "give 4 numbers"),
+    ({"saguaro": {"mode": "async", "fanout": [2, -1, 1, 1]}}, "speculative_config.saguaro.fanout:",
+     "non-negative numbers summing to 1..256"),
+    ({"saguaro": {"mode": "async", "miss_fanout": [0, 0, 0, 0]}}, "speculative_config.saguaro.miss_fanout:",
+     "summing to 1..256"),
+    ({"saguaro": {"mode": "async", "fanout_budget": 0}}, "speculative_config.saguaro.fanout_budget:",
+     "between 1 and 256"),
+    ({"saguaro": {"mode": "async", "fanout": [1, 1, 1, 1], "fanout_budget": 4}},
+     "speculative_config.saguaro.fanout_budget: has no effect when saguaro.fanout is set", "remove"),
+    ({"saguaro": {"mode": "async", "backup": "jit", "miss_fanout": [1, 1, 1, 1]}},
+     "speculative_config.saguaro.miss_fanout:", "set backup to 'auto' or 'ngram'"),
+    ({"saguaro": {"mode": "async", "sampling_scale": 1.5}}, "speculative_config.saguaro.sampling_scale:",
+     "must lie in [0, 1]"),
+    ({"saguaro": {"mode": "async", "sampling_scale_tokens": "fanout+1"}},
+     "speculative_config.saguaro.sampling_scale_tokens:", "set sampling_scale below 1"),
+    # K
+    ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens:", "between 1 and 32"),
+    ({"num_speculative_tokens": 99}, "speculative_config.num_speculative_tokens:", "between 1 and 32"),
+    # the draft
+    ({"model": "/nonexistent/draft"}, "speculative_config.model: draft model '/nonexistent/draft' not found",
+     "local Hugging Face model directory"),
+    ({"model": None}, "speculative_config.model:", "must be a string"),
+    # devices, cores, memory
+    ({"saguaro": {"device": "cuda:3"}}, "speculative_config.saguaro.device:", "use 'cpu' (or 'auto')"),
+    ({"saguaro": {"device": "tpu"}}, "speculative_config.saguaro.device:", "'cuda:N'"),
+    ({"saguaro": {"draft_cores": [999]}}, "speculative_config.saguaro.draft_cores:", "available"),
+    ({"saguaro": {"draft_cores": [0], "target_cores": [0]}}, "speculative_config.saguaro.draft_cores:",
+     "disjoint"),
+    ({"saguaro": {"kv_cache_gb": 1e-9}}, "speculative_config.saguaro.kv_cache_gb:", "holds no KV block"),
+    ({"saguaro": {"block_size": 7}}, "speculative_config.saguaro.block_size:", "one of 8, 16, 32, 64, 128"),
+    # async-only options with mode sync (the default)
+    ({"saguaro": {"fanout_budget": 2}}, "speculative_config.saguaro.fanout_budget: only used with mode 'async'",
+     "set saguaro.mode to 'async', or remove fanout_budget"),
+    ({"saguaro": {"mode": "sync", "backup": "ngram"}}, "speculative_config.saguaro.backup: only used with mode "
+     "'async'", "or remove backup"),
+    # vLLM's own keys: refused with their reason, or passed through with the values that work
+    ({"draft_tensor_parallel_size": 2}, "speculative_config.draft_tensor_parallel_size: only 1 works",
+     "saguaro.device"),
+    ({"num_speculative_tokens_per_batch_size": [[1, 8, 3]]},
+     "speculative_config.num_speculative_tokens_per_batch_size: vLLM's key is not supported", "remove it"),
+    ({"rejection_sample_method": "synthetic"}, "speculative_config.rejection_sample_method: only 'standard'",
+     "outputs change"),
+    ({"quantization": "fp8"}, "speculative_config.quantization: vLLM's key is not supported",
+     "saguaro.linear to 'int8'"),
+    ({"prompt_lookup_max": 3}, "speculative_config.prompt_lookup_max:", "saguaro.backup 'ngram'"),
+    ({"max_model_len": 1000}, "speculative_config.max_model_len: 1000 is more than the target's", "at most 256"),
+]
+
+
+@pytest.mark.parametrize(("spec", "field", "fix"), BAD, ids=[f"{i}-{b[1].split(':')[0][19:]}" for i, b in enumerate(BAD)])
+def test_bad_config_one_message_naming_field_and_fix(tiny_pair, engine_config, spec, field, fix):
+    target, draft = tiny_pair
     with pytest.raises(SaguaroConfigError) as err:
-        engine_config(target, full)
-    assert needle in str(err.value)
+        engine_config(target, _full(draft, spec))
+    lines = [line.strip() for line in str(err.value).splitlines() if line.strip().startswith("speculative_config.")]
+    assert len(lines) == 1, str(err.value)
+    assert lines[0].startswith(field), lines[0]
+    assert fix in lines[0], lines[0]
     _assert_no_engine_started()
 
 
@@ -76,9 +165,43 @@ def test_vocab_mismatch_is_refused(tmp_path, tiny_pair, engine_config):
     other = tmp_path / "other-vocab"
     other.mkdir()
     _save_llama(other, None, vocab=77, seed=3)
-    with pytest.raises(SaguaroConfigError, match=r"speculative_config.model: the draft's vocabulary \(77"):
+    with pytest.raises(SaguaroConfigError, match=r"speculative_config.model: the draft's vocabulary \(77.*use a draft"):
         engine_config(target, {"method": "saguaro", "model": str(other), "num_speculative_tokens": 2})
     _assert_no_engine_started()
+
+
+def test_every_vllm_speculative_key_has_a_decision():
+    """A vLLM upgrade that adds a speculative key fails here until the key is passed through or refused."""
+    from vllm.config import SpeculativeConfig
+
+    names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    decided = set(PASSED_THROUGH) | set(REFUSED) | set(SAGUARO_FIELDS)
+    assert names - decided == set()
+    assert set(REFUSED) - names == set(), "refusing keys vLLM does not have"
+
+
+def test_async_only_options_say_so():
+    for name in ASYNC_ONLY:
+        assert "`async` only" in SaguaroOptions.model_fields[name].description, name
+
+
+def test_vllm_serve_refuses_bad_config_before_any_engine(tiny_pair):
+    """The command line: a quick non-zero exit, the message on stderr, and no engine core ever started
+    (one case: each `vllm serve` start-up costs ~35 s of imports on 2 busy cores)."""
+    from saguaro_vllm.server_process import vllm_command
+
+    target, draft = tiny_pair
+    spec = {"saguaro": {"finish-predraft": True}}
+    needle = "speculative_config.saguaro.finish_predraft: only used with mode 'async' (SSD), but mode is 'sync'"
+    t0 = time.monotonic()
+    proc = subprocess.run([*vllm_command(), "serve", target, "--speculative-config", json.dumps(_full(draft, spec)),
+                           "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--port", "0"],
+                          capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert proc.returncode != 0
+    assert needle in proc.stderr, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "EngineCore" not in out and "Initializing a V1 LLM engine" not in out, out[-3000:]
+    assert time.monotonic() - t0 < 120
 
 
 def test_speculative_config_file_path(tmp_path, tiny_pair, engine_config):

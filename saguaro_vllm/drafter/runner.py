@@ -91,6 +91,11 @@ class DraftModelRunner:
         req = self._get(req_id)
         req.block_table.ensure(req.num_computed + num_new_tokens, write_from=req.num_computed)
 
+    def blocks_needed(self, req_id: str, num_new_tokens: int) -> int:
+        """Blocks `reserve(req_id, num_new_tokens)` would allocate (growth and private copies)."""
+        req = self._get(req_id)
+        return req.block_table.blocks_needed(req.num_computed + num_new_tokens, write_from=req.num_computed)
+
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
         """New sequence `child_id` holding the KV of `parent_id`'s first `num_tokens` tokens.
 

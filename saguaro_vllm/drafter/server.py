@@ -65,8 +65,9 @@ def build_drafter(cfg: dict):
     mode = cfg["saguaro"].get("mode", "sync")
     info = {"num_blocks": num_blocks, "mode": mode, "linear": linear}
     if mode == "async":
-        return SSDDrafter(runner, vocab_size=cfg["vocab_size"], options=cfg["saguaro"]), info
-    return SyncDrafter(runner, vocab_size=cfg["vocab_size"]), info
+        return SSDDrafter(runner, vocab_size=cfg["vocab_size"], options=cfg["saguaro"],
+                          max_model_len=cfg.get("max_model_len")), info
+    return SyncDrafter(runner, vocab_size=cfg["vocab_size"], max_model_len=cfg.get("max_model_len")), info
 
 
 def _slow_down(runner, delay_s: float) -> None:

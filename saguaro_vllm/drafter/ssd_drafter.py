@@ -29,7 +29,6 @@ import torch
 
 from saguaro_vllm.drafter.backup import BackupInputs, choose_backup, ngram_drafts
 from saguaro_vllm.drafter.branches import BranchRoot, BranchRun
-from saguaro_vllm.drafter.kv_cache import OutOfBlocksError
 from saguaro_vllm.drafter.predictor import (
     MAX_RANK,
     OutcomePredictor,
@@ -43,7 +42,7 @@ from saguaro_vllm.drafter.predictor import (
 )
 from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.spec_cache import SpeculationCache
-from saguaro_vllm.drafter.sync_drafter import SyncDrafter, _ReqState
+from saguaro_vllm.drafter.sync_drafter import NO_ROOM, SyncDrafter, _ReqState
 from saguaro_vllm.ops import draw_gumbel, sample_proposal
 from saguaro_vllm.transport import StepRequest, StepResponse
 
@@ -59,7 +58,7 @@ COST_SAMPLES = 64
 #: Smoothing of the measured verification time and of the drafter's lateness.
 VERIFY_EMA = 0.3
 
-# Row status codes of `StepResponse.row_status`.
+# Row status codes of `StepResponse.row_status` (and NO_ROOM: no drafts, the KV cache had no room).
 HIT, JIT, NGRAM, NEW, NONE = "hit", "jit", "ngram", "new", "none"
 
 
@@ -91,6 +90,7 @@ class SSDStats:
     backup: str = ""  # jit | ngram: what this step's misses got
     alpha: float = 0.0  # acceptance estimate of neural drafts
     dropped: int = 0  # candidates of that pre-draft left out for lack of KV blocks
+    topups: int = 0  # hits on branches cut short, completed on the critical path in this step
 
 
 def _ranked(scores: torch.Tensor, drafts) -> list[list[int]]:
@@ -104,8 +104,8 @@ def _smooth(old: float | None, new: float) -> float:
 
 
 class SSDDrafter(SyncDrafter):
-    def __init__(self, runner: DraftModelRunner, vocab_size: int, options: dict):
-        super().__init__(runner, vocab_size, keep_logits=True)
+    def __init__(self, runner: DraftModelRunner, vocab_size: int, options: dict, max_model_len: int | None = None):
+        super().__init__(runner, vocab_size, keep_logits=True, max_model_len=max_model_len)
         self.opts = options
         self.cache = SpeculationCache(release=self._defer_release)
         self._garbage: list[str] = []  # branch sequences to free once the answer is out
@@ -141,6 +141,23 @@ class SSDDrafter(SyncDrafter):
         self.cache.drop(req_id)
         self._sent.pop(req_id, None)
         super().free(req_id)
+
+    def _evict(self, req_id: str) -> None:
+        """A request's KV goes: its round goes with it (a later step finds no round: a new request)."""
+        self.cache.drop(req_id)
+        self._sent.pop(req_id, None)
+        super()._evict(req_id)
+
+    def _make_room(self, blocks: int, protect: set[str]) -> bool:
+        """Pre-drafts go first, so that branches never starve the requests' own KV: the branches waiting
+        to be freed, then the cached rounds of requests absent from this step; only then request KV."""
+        self._flush_garbage()
+        for rid in [r for r in self._sent if r not in protect]:
+            if self.runner.num_free_blocks >= blocks:
+                break
+            self.cache.drop(rid)  # its branches go to the garbage (the request's own KV stays)
+            self._flush_garbage()
+        return self.runner.num_free_blocks >= blocks or super()._make_room(blocks, protect)
 
     @property
     def busy(self) -> bool:
@@ -186,8 +203,7 @@ class SSDDrafter(SyncDrafter):
                 self.advance()
         self._stop_predraft()
         stats.branches = len(self.cache)
-        for rid in req.finished:
-            self.free(rid)
+        self._begin_step(req)
 
         n = len(req.rows)
         drafts: list[list[int]] = [[] for _ in range(n)]
@@ -197,6 +213,7 @@ class SSDDrafter(SyncDrafter):
         resync: list[str] = []
         topups: list[tuple[int, int]] = []  # (row, drafts still to add) for hits cut short
         misses: list[int] = []
+        want: dict[int, int] = {}  # row -> drafts it may get (K, fewer near max_model_len or a full cache)
         for i, row in enumerate(req.rows):
             st = self.reqs.get(row.req_id)
             sent = self._sent.pop(row.req_id, None)
@@ -220,8 +237,11 @@ class SSDDrafter(SyncDrafter):
                 self.runner.adopt(branch.seq_id, row.req_id)
                 st.context.extend(row.new_tokens)
                 toks = list(branch.tokens)
-                want = max(row.num_drafts, 0)
-                keep = min(len(toks), want)
+                want[i] = self._draft_limit(row, st)
+                if want[i] <= 0:  # at max_model_len, or a context the cache cannot hold (its KV is gone)
+                    self._evict(row.req_id)
+                    continue
+                keep = min(len(toks), want[i])
                 drafts[i] = toks[:keep]
                 st.drafted = toks[: max(keep - 1, 0)]
                 st.draft_logits = list(branch.logit_rows[:keep])
@@ -229,8 +249,8 @@ class SSDDrafter(SyncDrafter):
                     self.runner.truncate(row.req_id, len(st.context) + len(st.drafted))
                 if branch.prob_rows and keep:
                     probs[i] = [p.cpu().numpy() for p in branch.prob_rows[:keep]]
-                if keep < want:
-                    topups.append((i, want - keep))
+                if keep < want[i]:
+                    topups.append((i, want[i] - keep))
                 continue
             st = self._update(row)
             if st is None:
@@ -240,6 +260,10 @@ class SSDDrafter(SyncDrafter):
             if row.num_drafts <= 0 or not st.context:
                 status[i] = NONE
                 continue
+            want[i] = self._draft_limit(row, st)
+            if want[i] <= 0:
+                status[i] = NONE
+                continue
             misses.append(i)
 
         kind = self._choose_backup(req, len(req.rows) - len(misses), misses)
@@ -247,12 +271,15 @@ class SSDDrafter(SyncDrafter):
         if kind == NGRAM:
             for i in misses:
                 st = self.reqs[req.rows[i].req_id]
-                drafts[i] = ngram_drafts(st.context, req.rows[i].num_drafts)
+                drafts[i] = ngram_drafts(st.context, want[i])
                 if not drafts[i]:  # no earlier occurrence: this verification yields the bonus token alone
                     self.predictor.ngram_tokens.observe(1)
                 st.drafted, st.draft_logits = [], []
                 status[i] = NGRAM if status[i] == JIT else status[i]
-        self._draft_now(req, drafts, probs, topups, misses if kind == JIT else [])
+        stats.topups = len(topups)
+        self._draft_now(req, drafts, probs, topups, [i for i in misses if kind == JIT], want)
+        for i in self._end_step(drafts):
+            status[i] = NO_ROOM
 
         roots = []
         fast_rows = set(misses) if kind == NGRAM else set()
@@ -304,8 +331,9 @@ class SSDDrafter(SyncDrafter):
             hits=hits, misses=len(misses), k=k, alpha_neural=self.predictor.neural.alpha,
             tokens_ngram=self.predictor.ngram_tokens.mean, verify_s=self._verify_s, jit_s=jit_s))
 
-    def _draft_now(self, req: StepRequest, drafts, probs, topups, jit_rows) -> None:
-        """Draft on the critical path: K tokens for jit misses, the missing tail of hits cut short."""
+    def _draft_now(self, req: StepRequest, drafts, probs, topups, jit_rows, want) -> None:
+        """Draft on the critical path: `want[row]` (K) tokens for jit misses, the missing tail of hits cut
+        short. Misses that find no room let go of their KV (hits keep theirs: they have drafts)."""
         if (jit_rows or topups) and self._garbage and self.runner.num_free_blocks < self._total_blocks // 4:
             self._flush_garbage()  # the KV cache is tight: the deferred branches' blocks are needed now
         jobs: dict[int, int] = {}  # row -> drafts still wanted
@@ -319,7 +347,7 @@ class SSDDrafter(SyncDrafter):
             self.runner.truncate(row.req_id, start)
             st.drafted, st.draft_logits = [], []
             chunks.append((row.req_id, st.context[start:], start))
-            jobs[i] = row.num_drafts
+            jobs[i] = want[i]
         for i, more in topups:
             rid = req.rows[i].req_id
             st = self.reqs[rid]
@@ -327,7 +355,7 @@ class SSDDrafter(SyncDrafter):
             chunks.append((rid, [last], self.runner.num_computed(rid)))
             jobs[i] = more
         order = list(jit_rows) + [i for i, _ in topups]
-        order, chunks = self._fit(req.rows, order, chunks)
+        order, chunks = self._fit(req.rows, order, chunks, evict=True, evictable=set(jit_rows))
         while chunks:
             logits = self._timed_forward(chunks)
             next_order, next_chunks = [], []
@@ -468,10 +496,8 @@ class SSDDrafter(SyncDrafter):
                 self.runner.truncate(rid, max(0, sent.context_len - 1))
                 done = self.runner.num_computed(rid)
                 have, need = 0, k + 1
-            try:
-                self.runner.reserve(rid, len(seq) - done)
-            except OutOfBlocksError:
-                continue
+            if not self._reserve(rid, len(seq) - done, protect=set(req_ids)):
+                continue  # no room for this request's pre-draft (its drafts are out already)
             chunks.append((rid, seq[done:], done))
             wanted.append(need)
             items.append((rid, st, sent, have))

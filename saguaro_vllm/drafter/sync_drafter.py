@@ -16,11 +16,15 @@ import numpy as np
 import torch
 
 from saguaro_vllm.drafter.kv_cache import OutOfBlocksError
+from saguaro_vllm.drafter.room import NoRoomLog
 from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.sampling import proposal_probs, sample_from
 from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest, StepResponse
 
 logger = logging.getLogger("saguaro_vllm.drafter")
+
+# Row status codes of `StepResponse.row_status` in `mode: sync` (`mode: async` adds its own, ssd_drafter.py).
+DRAFTED, NONE, NO_ROOM = "drafted", "none", "noroom"
 
 
 @dataclasses.dataclass
@@ -35,12 +39,22 @@ class _ReqState:
 
 
 class SyncDrafter:
-    def __init__(self, runner: DraftModelRunner, vocab_size: int, keep_logits: bool = False):
+    def __init__(self, runner: DraftModelRunner, vocab_size: int, keep_logits: bool = False,
+                 max_model_len: int | None = None):
+        """`max_model_len`: contexts that reach it get no drafts (fewer near it); None: no limit."""
         self.runner = runner
         self.vocab_size = vocab_size
         self.keep_logits = keep_logits
+        self.max_model_len = max_model_len
         self.reqs: dict[str, _ReqState] = {}
+        #: rows (per step) that got no drafts, or fewer, because the KV cache had no room for them
         self.num_out_of_blocks = 0
+        #: tokens the whole KV cache holds: a longer context can never be drafted for
+        self.capacity_tokens = runner.kv_cache.cfg.num_blocks * runner.block_size
+        self.no_room_log = NoRoomLog(logger)
+        self._last_used: dict[str, int] = {}  # request -> the last step that had it as a row (for eviction)
+        self._step = 0
+        self._no_room: set[int] = set()  # rows of the current step refused for lack of room
 
     # ---- the server loop's hooks (SSD does work between requests; sync drafting does none) ----------
     busy = False
@@ -54,8 +68,55 @@ class SyncDrafter:
     # ---- request bookkeeping --------------------------------------------------------------------
     def free(self, req_id: str) -> None:
         self.reqs.pop(req_id, None)
+        self._last_used.pop(req_id, None)
         if self.runner.has_request(req_id):
             self.runner.free_request(req_id)
+
+    # ---- memory pressure --------------------------------------------------------------------------------
+    def _draft_limit(self, row: RowUpdate, st: _ReqState) -> int:
+        """Drafts the row may get: K; fewer near `max_model_len`; none for a context that the whole KV cache
+        cannot hold (drafting k tokens writes KV for context + k - 1), which is warned about once."""
+        n = len(st.context)
+        k = row.num_drafts if self.max_model_len is None else min(row.num_drafts, self.max_model_len - n)
+        if k > 0 and n + k - 1 > self.capacity_tokens:
+            k = self.capacity_tokens - n + 1
+            if k <= 0:
+                self.no_room_log.oversize(row.req_id, n, self.capacity_tokens)
+                self._no_room.add(self._row_index[row.req_id])
+        if k <= 0 and row.num_drafts > 0:
+            self._evict(row.req_id)  # contexts only grow: its KV will never be used, the others get it
+        return max(k, 0)
+
+    def _evict(self, req_id: str) -> None:
+        """Let go of the request's KV (its context stays known: a later step prefills it again)."""
+        if self.runner.has_request(req_id):
+            self.runner.free_request(req_id)
+        st = self.reqs.get(req_id)
+        if st is not None:
+            st.drafted, st.draft_logits = [], []
+
+    def _make_room(self, blocks: int, protect: set[str]) -> bool:
+        """Free blocks until `blocks` are free, without touching the requests in `protect` (this step's
+        rows): the KV of requests absent from this step (preempted or waiting) goes first, least recently
+        used first. True if there is room now."""
+        idle = sorted((self._last_used.get(rid, 0), rid) for rid in self.reqs
+                      if rid not in protect and self.runner.has_request(rid))
+        for _, rid in idle:
+            if self.runner.num_free_blocks >= blocks:
+                break
+            self._evict(rid)
+        return self.runner.num_free_blocks >= blocks
+
+    def _reserve(self, req_id: str, num_tokens: int, protect: set[str]) -> bool:
+        """`runner.reserve`, making room first if needed; False (nothing changed) if there is none."""
+        for attempt in range(2):
+            try:
+                self.runner.reserve(req_id, num_tokens)
+                return True
+            except OutOfBlocksError as err:
+                if attempt or not self._make_room(err.needed, protect):
+                    return False
+        return False
 
     def _update(self, row: RowUpdate) -> _ReqState | None:
         """Append the row's new committed tokens; None if they do not continue the context we hold."""
@@ -85,12 +146,30 @@ class SyncDrafter:
         return st
 
     # ---- one step ---------------------------------------------------------------------------------
-    def step(self, req: StepRequest) -> StepResponse:
-        t0 = time.perf_counter()
+    def _begin_step(self, req: StepRequest) -> None:
+        """Bookkeeping every step starts with: finished requests freed, this step's rows noted."""
         for rid in req.finished:
             self.free(rid)
+        self._step += 1
+        self._no_room = set()
+        self._row_index = {row.req_id: i for i, row in enumerate(req.rows)}
+        for row in req.rows:
+            self._last_used[row.req_id] = self._step
+
+    def _end_step(self, drafts: list[list[int]]) -> list[int]:
+        """The rows refused for lack of room that got no drafts at all (counted, and warned about at most
+        once per `NoRoomLog.interval_s`)."""
+        rows = sorted(i for i in self._no_room if not drafts[i])
+        self.num_out_of_blocks += len(self._no_room)
+        self.no_room_log.note(len(rows), self.runner.num_free_blocks, self.runner.kv_cache.cfg.num_blocks)
+        return rows
+
+    def step(self, req: StepRequest) -> StepResponse:
+        t0 = time.perf_counter()
+        self._begin_step(req)
         drafts: list[list[int]] = [[] for _ in req.rows]
         probs: dict[int, list[np.ndarray]] = {}
+        want: dict[int, int] = {}
         active: list[int] = []
         chunks = []
         resync: list[str] = []
@@ -101,33 +180,39 @@ class SyncDrafter:
                 continue
             if row.num_drafts <= 0 or not st.context:
                 continue
+            want[i] = self._draft_limit(row, st)
+            if want[i] <= 0:
+                continue
             if not self.runner.has_request(row.req_id):
                 self.runner.add_request(row.req_id)
             start = min(self.runner.num_computed(row.req_id), len(st.context) - 1)
             self.runner.truncate(row.req_id, start)
             chunks.append((row.req_id, st.context[start:], start))
             active.append(i)
-        active, chunks = self._fit(req.rows, active, chunks)
-        k_max = max((req.rows[i].num_drafts for i in active), default=0)
+        active, chunks = self._fit(req.rows, active, chunks, evict=True)
+        k_max = max((want[i] for i in active), default=0)
         for s in range(k_max):
             if not chunks:
                 break
             logits = self.runner.forward(chunks)[:, : self.vocab_size]
             next_chunks, next_active = [], []
             for row_i, (rid, _, start), lg in zip(active, chunks, logits):
-                row, st = req.rows[row_i], self.reqs[req.rows[row_i].req_id]
+                st = self.reqs[req.rows[row_i].req_id]
                 tok = self._choose(st, lg, probs.setdefault(row_i, []) if not st.sampling.greedy else None)
                 drafts[row_i].append(tok)
                 if self.keep_logits:
                     st.draft_logits.append(lg)
-                if s + 1 < row.num_drafts:
+                if s + 1 < want[row_i]:
                     st.drafted.append(tok)
                     next_chunks.append((rid, [tok], self.runner.num_computed(rid)))
                     next_active.append(row_i)
             active, chunks = self._fit(req.rows, next_active, next_chunks)
+        no_room = set(self._end_step(drafts))
+        status = [NO_ROOM if i in no_room else DRAFTED if drafts[i] else NONE for i in range(len(req.rows))]
         out_probs = {i: np.stack(p) for i, p in probs.items() if p}
         return StepResponse(req.step, drafts, out_probs, time.perf_counter() - t0, resync,
-                            live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks)
+                            live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
+                            row_status=status)
 
     def _choose(self, st: _ReqState, logits: torch.Tensor, probs_out: list | None) -> int:
         if probs_out is None:
@@ -137,17 +222,21 @@ class SyncDrafter:
         probs_out.append(q.cpu().numpy())
         return tok
 
-    def _fit(self, rows, active, chunks):
-        """Reserve KV blocks for each chunk; requests that do not fit get no more drafts this step."""
-        kept_a, kept_c = [], []
-        for i, ch in zip(active, chunks):
-            rid, toks, _ = ch
-            try:
-                self.runner.reserve(rid, len(toks))
-            except OutOfBlocksError:
-                self.num_out_of_blocks += 1
-                logger.warning("draft KV cache full: request %s gets no drafts this step", rid)
+    def _fit(self, rows, active, chunks, evict: bool = False, evictable: set[int] | None = None):
+        """Reserve KV blocks for each chunk, smallest need first (so a full cache serves as many rows as it
+        can), making room from requests absent from this step first. Rows that still do not fit get no
+        more drafts this step; with `evict`, those in `evictable` (default: all) also let go of their KV, so
+        that one row's blocks can serve the others instead of every row stalling on a full cache."""
+        protect = {r.req_id for r in rows}
+        need = [self.runner.blocks_needed(rid, len(toks)) for rid, toks, _ in chunks]
+        kept: set[int] = set()
+        for j in sorted(range(len(chunks)), key=need.__getitem__):
+            rid, toks, _ = chunks[j]
+            if self._reserve(rid, len(toks), protect):
+                kept.add(j)
                 continue
-            kept_a.append(i)
-            kept_c.append(ch)
-        return kept_a, kept_c
+            self._no_room.add(active[j])
+            if evict and (evictable is None or active[j] in evictable):
+                self._evict(rid)
+        order = [j for j in range(len(chunks)) if j in kept]
+        return [active[j] for j in order], [chunks[j] for j in order]

@@ -10,7 +10,12 @@ from __future__ import annotations
 import functools
 import logging
 
-from saguaro_vllm.config import ADDITIONAL_CONFIG_KEY, PROPOSER_CLASS, parse_saguaro_config
+from saguaro_vllm.config import (
+    ADDITIONAL_CONFIG_KEY,
+    PROPOSER_CLASS,
+    SaguaroConfigError,
+    parse_speculative_config,
+)
 from saguaro_vllm.patches import vllm_patch
 
 logger = logging.getLogger("vllm.saguaro")
@@ -32,13 +37,14 @@ def wrap_create_speculative_config(original):
 
         from saguaro_vllm.resolve import resolve_for_engine
 
-        cfg = parse_saguaro_config(raw)
+        cfg, passed_through = parse_speculative_config(raw)
         resolved = resolve_for_engine(
             cfg,
             target_model_config,
             tp_size=target_parallel_config.tensor_parallel_size,
             is_cpu_platform=current_platform.is_cpu(),
         )
+        _check_lengths(resolved, target_model_config)
         if self.additional_config is None:
             self.additional_config = {}
         self.additional_config[ADDITIONAL_CONFIG_KEY] = resolved
@@ -51,6 +57,7 @@ def wrap_create_speculative_config(original):
             "method": "custom_class",
             "model": PROPOSER_CLASS,
             "num_speculative_tokens": cfg.num_speculative_tokens,
+            **passed_through,  # vLLM keys that work with custom_class (saguaro_vllm/vllm_spec_keys.py)
         }
         try:
             return original(self, target_model_config, target_parallel_config)
@@ -59,3 +66,36 @@ def wrap_create_speculative_config(original):
             self.speculative_config = raw
 
     return create_speculative_config
+
+
+def _check_lengths(resolved: dict, target_model_config) -> None:
+    """`max_model_len` at most the target's (vLLM's rule for draft lengths); a drafter KV cache that holds
+    no block is an error, one smaller than the longest context a warning (those rows go unspeculated)."""
+    from saguaro_vllm.drafter.kv_cache import kv_bytes_per_block
+    from saguaro_vllm.drafter.model.loader import DTYPES, read_model_info
+
+    target_len = int(target_model_config.max_model_len)
+    if resolved.get("max_model_len") and resolved["max_model_len"] > target_len:
+        raise SaguaroConfigError(
+            f"speculative_config.max_model_len: {resolved['max_model_len']} is more than the target's "
+            f"max_model_len ({target_len}); give at most {target_len}, or remove it."
+        )
+    info = read_model_info(resolved["draft_path"])
+    opts = resolved["saguaro"]
+    per_block = kv_bytes_per_block(info.num_layers, opts["block_size"], info.num_kv_heads, info.head_size,
+                                   DTYPES[resolved["dtype"]])
+    blocks = int(opts["kv_cache_gb"] * 2**30) // per_block
+    if blocks < 1:
+        raise SaguaroConfigError(
+            f"speculative_config.saguaro.kv_cache_gb: {opts['kv_cache_gb']} GiB holds no KV block of this draft "
+            f"({per_block} bytes per block of {opts['block_size']} tokens); give at least "
+            f"{per_block / 2**30:.3g}."
+        )
+    longest = min(target_len, resolved.get("max_model_len") or target_len)
+    if blocks * opts["block_size"] < longest:
+        logger.warning(
+            "Saguaro: the drafter's KV cache (saguaro.kv_cache_gb=%s) holds %d tokens, fewer than max_model_len "
+            "(%d): longer contexts go unspeculated, and concurrent requests share those tokens. %.3g GiB holds "
+            "one full-length context.", opts["kv_cache_gb"], blocks * opts["block_size"], longest,
+            per_block * -(-longest // opts["block_size"]) / 2**30,
+        )
