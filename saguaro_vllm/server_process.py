@@ -82,6 +82,36 @@ class VLLMServer:
             self._log.close()
         self.proc = None
 
+    def processes(self) -> list[tuple[str, "psutil.Process"]]:
+        """(role, process) for the server and each live descendant: `server`, `engine core`, `worker`,
+        `drafter` or `other` (e.g. multiprocessing's resource tracker). Used to find the drafter and to watch
+        memory (fault tests, benchmarks/soak.py)."""
+        import psutil
+
+        if self.proc is None:
+            return []
+        root = psutil.Process(self.proc.pid)
+        out = []
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                out.append((process_role(proc.name(), proc.cmdline()) if proc is not root else "server", proc))
+            except psutil.Error:  # exited meanwhile
+                pass
+        return out
+
     def metrics_text(self) -> str:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
             return r.read().decode()
+
+
+def process_role(name: str, cmdline: list[str]) -> str:
+    """What a process under `vllm serve` is, from vLLM's process titles and the drafter's module name."""
+    if "saguaro_vllm.drafter.server" in " ".join(cmdline):
+        return "drafter"
+    if name.startswith("VLLM::EngineCore"):
+        return "engine core"
+    if name.startswith("VLLM::Worker"):
+        return "worker"
+    return "other"

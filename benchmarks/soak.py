@@ -1,0 +1,408 @@
+"""Soak: many concurrent streaming clients against `vllm serve` with Saguaro (`mode: async`) for minutes, one
+drafter SIGKILL in the middle. Not a unit test: a script that measures and reports.
+
+64 clients (asyncio, the `openai` client) loop over requests with mixed temperatures (0, 0.7, 1.0; some
+with top-p / top-k), lengths (8-256 tokens) and stop conditions (max_tokens with ignore_eos, EOS, stop
+strings, stop token ids; completions and chat). At `--kill-at` the drafter process is SIGKILLed. Reported:
+requests completed, errors (must be 0), tokens/s, p50/p99 latency, time to first token and time per output
+token, how long the drafter took to be back (drafts flowing again), and the resident memory of every process
+of the server's tree (API server, engine core, worker, drafter) after a warm-up and at the end (growth must
+stay under 5 %). Also the CPU time that processes outside the tree used meanwhile (others sharing the cores).
+
+Bounded: clients stop starting requests at `--duration`, in-flight requests get `--drain-s` to finish, then
+the server is stopped. Traffic goes to 127.0.0.1 only. Result: `benchmarks/results/<date>-soak.json`
+(rendered on docs/benchmarks.md by benchmarks/report.py).
+
+    .venv/bin/python benchmarks/soak.py --duration 30            # quick check
+    .venv/bin/python benchmarks/soak.py                          # 5 minutes, the figures on the page
+    .venv/bin/python benchmarks/soak.py --model T --draft D      # another pair
+
+Model: `--model/--draft`, else the demo pair if it is built (`make demo`), else a tiny random pair built
+like the tests' (tests/tiny_models.py) in a temporary directory.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+DRAFTS = "vllm:spec_decode_num_drafts_total"
+#: Counted in the worker (Prometheus multiprocess files, read at scrape time): no lag behind the engine, unlike
+#: vLLM's spec-decode counters, which the API server records when it gets around to the engine's outputs.
+SAGUARO_DRAFT_TOKENS = "vllm:saguaro_draft_tokens_total"
+STATE = "vllm:saguaro_drafter_state"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+RESTARTS = "vllm:saguaro_drafter_restarts_total"
+FAILURES = "vllm:saguaro_drafter_failures_total"
+LOOKUPS = "vllm:saguaro_cache_lookups_total"
+HITS = "vllm:saguaro_cache_hits_total"
+MEMORY_GROWTH_LIMIT = 0.05
+TEMPERATURES = (0.0, 0.0, 0.7, 1.0)
+LENGTHS = (8, 32, 64, 128, 256)
+TINY_PROMPTS = ["def add(a, b):", "The quick brown fox jumps", "import os\nimport sys\nprint(", "for i in range(10):",
+                "class Point:\n    def __init__(self, x, y):", "print(os.getcwd(), sys.argv)", "The lazy dog",
+                "    return a + b\n"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of traffic (default 300)")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--kill-at", type=float, default=None, help="seconds into the traffic (default: duration / 2)")
+    p.add_argument("--no-kill", action="store_true", help="no drafter kill (a reference run)")
+    p.add_argument("--model", help="target model directory (with --draft)")
+    p.add_argument("--draft", help="draft model directory (with --model)")
+    p.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--warmup-s", type=float, default=None,
+                   help="traffic before the 'start' memory sample (default min(30, duration / 10))")
+    p.add_argument("--drain-s", type=float, default=120.0, help="time in-flight requests get after --duration")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default="soak")
+    p.add_argument("--out", help="result JSON (default benchmarks/results/<date>-<name>.json)")
+    p.add_argument("--keep-log", help="keep the server log in this file")
+    a = p.parse_args(argv)
+    if (a.model is None) != (a.draft is None):
+        p.error("--model and --draft go together")
+    if a.duration <= 0 or a.clients <= 0:
+        p.error("--duration and --clients must be positive")
+    a.kill_at = None if a.no_kill else (a.duration / 2 if a.kill_at is None else a.kill_at)
+    if a.kill_at is not None and not 0 < a.kill_at < a.duration:
+        p.error(f"--kill-at must be inside the traffic (0, {a.duration:g}), got {a.kill_at:g}")
+    a.warmup_s = min(30.0, a.duration / 10) if a.warmup_s is None else a.warmup_s
+    return a
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+def pick_pair(a: argparse.Namespace, tmp: Path) -> tuple[str, str, str, list[str]]:
+    """(target, draft, which, prompts): --model/--draft, else the built demo pair, else a tiny random pair."""
+    if a.model:
+        return a.model, a.draft, "given", TINY_PROMPTS
+    from saguaro_vllm.demo.build import BuildSettings, DemoPair, default_cache_root
+    from saguaro_vllm.demo.storage import read_marker
+
+    key = BuildSettings().key()
+    root = default_cache_root() / f"demo-pair-{key}"
+    marker, _ = read_marker(root)
+    if marker is not None and marker.get("key") == key:
+        pair = DemoPair(root, json.loads((root / "stats.json").read_text()))
+        return str(pair.target), str(pair.draft), "demo", pair.heldout_prompts(32)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import build_tiny_pair
+
+    target, draft = build_tiny_pair(tmp / "tiny-pair")
+    return target, draft, "tiny (random weights, tests/tiny_models.py)", TINY_PROMPTS
+
+
+# ------------------------------------------------------------------------------------------- requests
+
+def request_plan(rng: random.Random, prompts: list[str]) -> dict:
+    """One request: endpoint, prompt and sampling, drawn from the soak's mix."""
+    temperature = rng.choice(TEMPERATURES)
+    body: dict = {"max_tokens": rng.choice(LENGTHS), "temperature": temperature, "seed": rng.randrange(2**31)}
+    extra: dict = {}
+    if temperature > 0 and rng.random() < 0.5:
+        body["top_p"] = 0.9
+        extra["top_k"] = 40
+    stop = rng.choice(["length", "eos", "stop-string", "stop-token"])
+    if stop == "length":
+        extra["ignore_eos"] = True
+    elif stop == "stop-string":
+        body["stop"] = rng.choice([["\n"], [" the", "):"], ["e"]])
+    elif stop == "stop-token":
+        extra["stop_token_ids"] = [rng.randrange(2, 300)]
+    return {"chat": rng.random() < 0.25, "prompt": rng.choice(prompts), "body": body, "extra": extra,
+            "stop": stop}
+
+
+async def one_request(client, model: str, plan: dict) -> dict:
+    """Stream one request; returns its timings and token count (raises on any error)."""
+    t0 = time.monotonic()
+    first = None
+    tokens = None
+    finish = None
+    common = dict(model=model, stream=True, stream_options={"include_usage": True}, extra_body=plan["extra"],
+                  **plan["body"])
+    if plan["chat"]:
+        stream = await client.chat.completions.create(messages=[{"role": "user", "content": plan["prompt"]}],
+                                                      **common)
+    else:
+        stream = await client.completions.create(prompt=plan["prompt"], **common)
+    async for chunk in stream:
+        if chunk.choices:
+            c = chunk.choices[0]
+            text = c.delta.content if plan["chat"] else c.text
+            if text and first is None:
+                first = time.monotonic()
+            finish = c.finish_reason or finish
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.monotonic()
+    if finish is None or tokens is None:
+        raise RuntimeError(f"stream ended without finish_reason/usage (finish={finish}, tokens={tokens})")
+    return {"start": t0, "first": first, "end": end, "tokens": tokens, "finish": finish, "stop": plan["stop"],
+            "chat": plan["chat"], "temperature": plan["body"]["temperature"]}
+
+
+async def client_loop(idx: int, client, model: str, prompts: list[str], stop_at: float, seed: int,
+                      done: list[dict], errors: list[str]) -> None:
+    rng = random.Random(seed * 1000 + idx)
+    while time.monotonic() < stop_at:
+        plan = request_plan(rng, prompts)
+        try:
+            done.append(await one_request(client, model, plan))
+        except Exception as err:  # every error counts; the soak goes on
+            errors.append(f"client {idx} at {time.monotonic() - stop_at:+.1f} s: {type(err).__name__}: {err}"
+                          f" (plan {plan['stop']}, chat={plan['chat']})")
+            await asyncio.sleep(0.5)
+
+
+# ------------------------------------------------------------------------------------------ observing
+
+def metrics(server) -> dict[str, float]:
+    from saguaro_vllm.demo_run import metric_values
+
+    return metric_values(server.metrics_text())
+
+
+def memory_mb(server) -> dict[str, float]:
+    """Resident memory per role of the server's process tree, summed within a role."""
+    out: dict[str, float] = {}
+    for role, proc in server.processes():
+        try:
+            out[role] = out.get(role, 0.0) + proc.memory_info().rss / 2**20
+        except Exception:  # exited meanwhile
+            pass
+    return {k: round(v, 1) for k, v in sorted(out.items())}
+
+
+def others_cpu_s() -> dict[int, tuple[str, float]]:
+    """CPU seconds used so far by every process on the machine (to count what others used during the run)."""
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter(["name", "cmdline", "cpu_times"]):
+        try:
+            t = p.info["cpu_times"]
+            cmd = " ".join(p.info["cmdline"] or [p.info["name"] or "?"])[:120]
+            out[p.pid] = (cmd, t.user + t.system)
+        except Exception:
+            pass
+    return out
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def figures(values: list[float]) -> dict:
+    return {"p50": pct(values, 50), "p99": pct(values, 99), "mean": statistics.fmean(values) if values else None}
+
+
+def summarize(done: list[dict], traffic_s: float) -> dict:
+    tokens = sum(r["tokens"] for r in done)
+    lat = [r["end"] - r["start"] for r in done]
+    ttft = [r["first"] - r["start"] for r in done if r["first"] is not None]
+    tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in done if r["first"] is not None and r["tokens"] > 1]
+    kinds: dict[str, int] = {}
+    for r in done:
+        kinds[r["stop"]] = kinds.get(r["stop"], 0) + 1
+    finishes: dict[str, int] = {}
+    for r in done:
+        finishes[r["finish"]] = finishes.get(r["finish"], 0) + 1
+    return {"requests": len(done), "tokens": tokens, "tokens_per_s": tokens / traffic_s if traffic_s else None,
+            "latency_s": figures(lat), "ttft_s": figures(ttft), "tpot_s": figures(tpot),
+            "by_stop_condition": kinds, "finish_reasons": finishes,
+            "chat_requests": sum(r["chat"] for r in done),
+            "sampled_requests": sum(r["temperature"] > 0 for r in done)}
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+async def soak(a: argparse.Namespace, server, model_name: str, prompts: list[str]) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=300, max_retries=0)
+    done: list[dict] = []
+    errors: list[str] = []
+    polls: list[dict] = []
+    events: dict = {}
+    start = time.monotonic()
+    stop_at = start + a.duration
+    tasks = [asyncio.create_task(client_loop(i, client, model_name, prompts, stop_at, a.seed, done, errors))
+             for i in range(a.clients)]
+    bar = tqdm(total=int(a.duration), unit="s", desc="soak", dynamic_ncols=True)
+    killed = False
+    while time.monotonic() < stop_at:
+        await asyncio.sleep(1.0)
+        now = time.monotonic() - start
+        m = await asyncio.to_thread(metrics, server)
+        drafters = [p.pid for role, p in server.processes() if role == "drafter"]
+        polls.append({"t": round(now, 2), "requests": len(done), "tokens": sum(r["tokens"] for r in done),
+                      "errors": len(errors), "drafts": m.get(SAGUARO_DRAFT_TOKENS, 0.0), "state": m.get(STATE),
+                      "restarts": m.get(RESTARTS), "failures": m.get(FAILURES, 0.0), "drafters": drafters})
+        if "memory_start" not in events and now >= a.warmup_s:
+            events["memory_start"] = {"t": round(now, 2), "mb": memory_mb(server)}
+        if a.kill_at is not None and not killed and now >= a.kill_at:
+            victim = drafters[0] if drafters else None
+            if victim is not None:
+                os.kill(victim, signal.SIGKILL)
+            events["kill"] = {"t": round(time.monotonic() - start, 2), "pid": victim}
+            killed = True
+        bar.update(min(int(now), int(a.duration)) - bar.n)
+        bar.set_postfix(done=len(done), err=len(errors), tok_s=f"{polls[-1]['tokens'] / now:.0f}")
+    events["memory_end"] = {"t": round(time.monotonic() - start, 2), "mb": memory_mb(server)}
+    traffic_s = time.monotonic() - start
+    bar.close()
+    _, pending = await asyncio.wait(tasks, timeout=a.drain_s)
+    for t in pending:
+        t.cancel()
+    if pending:
+        errors.append(f"{len(pending)} clients still had a request in flight {a.drain_s:.0f} s after the end")
+    drain_s = time.monotonic() - start - traffic_s
+    final = await asyncio.to_thread(metrics, server)
+    return {"done": done, "errors": errors, "polls": polls, "events": events, "traffic_s": traffic_s,
+            "drain_s": drain_s, "metrics": final}
+
+
+def recovery(polls: list[dict], kill: dict | None) -> dict | None:
+    """When drafts flowed again after the kill: the first poll interval that began after the kill in which
+    the proposer received draft tokens (the killed drafter cannot have produced those)."""
+    if not kill:
+        return None
+    out = {"killed_pid": kill["pid"], "at_s": kill["t"], "recovered_after_s": None, "new_pid": None}
+    for prev, cur in zip(polls, polls[1:]):
+        if prev["t"] >= kill["t"] and cur["drafts"] > prev["drafts"]:
+            out["recovered_after_s"] = round(cur["t"] - kill["t"], 2)
+            out["new_pid"] = cur["drafters"][0] if cur["drafters"] else None
+            break
+    before = [p for p in polls if p["t"] < kill["t"]]
+    first, last = (before[-1]["restarts"] if before else 0.0), polls[-1]["restarts"]
+    out["restarts"] = None if first is None or last is None else last - first  # None: not on /metrics
+    out["failed_steps"] = polls[-1]["failures"] - (before[-1]["failures"] if before else 0.0)
+    return out
+
+
+def memory_growth(events: dict) -> dict:
+    start, end = events.get("memory_start", {}).get("mb", {}), events["memory_end"]["mb"]
+    growth = {role: round((end[role] - start[role]) / start[role], 4) for role in start if role in end and start[role]}
+    total_s, total_e = sum(start.values()), sum(end.values())
+    return {"start_mb": start, "end_mb": end, "start_t_s": events.get("memory_start", {}).get("t"),
+            "end_t_s": events["memory_end"]["t"], "growth": growth,
+            "total_growth": round((total_e - total_s) / total_s, 4) if total_s else None,
+            "ok": bool(growth) and all(g < MEMORY_GROWTH_LIMIT for g in growth.values())}
+
+
+def speculation(m: dict[str, float]) -> dict:
+    drafts, draft_tokens, accepted = m.get(DRAFTS, 0.0), m.get(DRAFT_TOKENS, 0.0), m.get(ACCEPTED, 0.0)
+    lookups = m.get(LOOKUPS, 0.0)
+    return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "cache_hit_rate": m.get(HITS, 0.0) / lookups if lookups else None,
+            "drafter_failures": m.get(FAILURES, 0.0), "drafter_restarts": m.get(RESTARTS)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from run import machine_info
+
+    from saguaro_vllm.server_process import VLLMServer
+
+    a = parse_args(argv)
+    date = datetime.date.today().isoformat()
+    out_path = Path(a.out) if a.out else RESULTS / f"{date}-{a.name}.json"
+    with tempfile.TemporaryDirectory(prefix="saguaro-soak-") as tmp:
+        tmp = Path(tmp)
+        target, draft, which, prompts = pick_pair(a, tmp)
+        spec = {"method": "saguaro", "model": draft, "num_speculative_tokens": a.k, "saguaro": {"mode": "async"}}
+        (tmp / "saguaro.json").write_text(json.dumps(spec))
+        prom = tmp / "prometheus"
+        prom.mkdir()
+        log = Path(a.keep_log) if a.keep_log else tmp / "server.log"
+        args = ["--speculative-config", str(tmp / "saguaro.json"), "--served-model-name", "soak", "--dtype",
+                "float32", "--max-model-len", str(a.max_model_len), "--enforce-eager", "--max-num-seqs",
+                str(max(a.clients, 1))]
+        env = {"PROMETHEUS_MULTIPROC_DIR": str(prom),
+               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        print(f"[soak] {which} pair: {target} / {draft}; {a.clients} clients for {a.duration:g} s, "
+              f"drafter kill at {a.kill_at} s", flush=True)
+        load_before = os.getloadavg()
+        server = VLLMServer(target, args, env=env, log_path=str(log))
+        t0 = time.monotonic()
+        try:
+            server.start()
+        except Exception:
+            print(log.read_text()[-4000:] if log.exists() else "", file=sys.stderr)
+            raise
+        startup_s = time.monotonic() - t0
+        try:
+            own = {p.pid for _, p in server.processes()} | {os.getpid()}
+            cpu_start = others_cpu_s()
+            run = asyncio.run(soak(a, server, "soak", prompts))
+            own |= {pid for poll in run["polls"] for pid in poll["drafters"]}
+            cpu_end = others_cpu_s()
+            load_after = os.getloadavg()
+        finally:
+            server.stop()
+        log_tail = [ln for ln in log.read_text(errors="replace").splitlines() if "Saguaro" in ln][-30:]
+    others = {}
+    for pid, (cmd, cpu) in cpu_end.items():
+        if pid in own:
+            continue
+        used = cpu - cpu_start.get(pid, (cmd, 0.0))[1]
+        if used > 0.5:
+            others[f"{pid} {cmd}"] = round(used, 1)
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "name": a.name,
+        "command": " ".join(["benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": machine_info(), "models": which, "target": target, "draft": draft,
+        "settings": {"duration_s": a.duration, "clients": a.clients, "k": a.k, "mode": "async",
+                     "kill_at_s": a.kill_at, "max_model_len": a.max_model_len, "temperatures": TEMPERATURES,
+                     "lengths": LENGTHS, "seed": a.seed, "warmup_s": a.warmup_s},
+        "startup_s": round(startup_s, 1), "traffic_s": round(run["traffic_s"], 1), "drain_s": round(run["drain_s"], 1),
+        "summary": summarize(run["done"], run["traffic_s"]),
+        "errors": len(run["errors"]), "error_samples": run["errors"][:20],
+        "kill": recovery(run["polls"], run["events"].get("kill")),
+        "speculation": speculation(run["metrics"]),
+        "memory": memory_growth(run["events"]),
+        "load": {"loadavg_before": load_before, "loadavg_after": load_after,
+                 "other_processes_cpu_s": dict(sorted(others.items(), key=lambda kv: -kv[1])[:15]),
+                 "other_cpu_s_total": round(sum(others.values()), 1)},
+        "timeline": [{k: p[k] for k in ("t", "requests", "tokens", "errors", "drafts", "restarts", "state")}
+                     for p in run["polls"]],
+        "log_excerpt": log_tail,
+    }
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1))
+    s = result["summary"]
+    print(f"[soak] {s['requests']} requests, {result['errors']} errors, {s['tokens_per_s']:.1f} tok/s, "
+          f"latency p50/p99 {s['latency_s']['p50']:.2f}/{s['latency_s']['p99']:.2f} s, "
+          f"TPOT p50/p99 {1e3 * (s['tpot_s']['p50'] or 0):.1f}/{1e3 * (s['tpot_s']['p99'] or 0):.1f} ms; "
+          f"kill: {result['kill']}; memory growth {result['memory']['growth']} (ok={result['memory']['ok']}); "
+          f"others used {result['load']['other_cpu_s_total']} CPU s -> {out_path}")
+    return 0 if result["errors"] == 0 and result["memory"]["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
