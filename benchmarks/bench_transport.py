@@ -1,0 +1,271 @@
+"""What the sampled (T > 0) path costs per step at real vocabulary sizes: Saguaro `sync` against vLLM's own
+in-process `draft_model`, each with draft == target (so acceptance is the same at T = 0 and T = 1).
+
+The model is a random-weight Llama of tiny depth (1 layer, hidden 64) with a big vocabulary, so compute is
+small and moving and assembling proposal probabilities (`[rows, K, vocab]` float32) dominates what T = 1
+adds. One engine per (engine, vocabulary), in a fresh process (front end, engine core and worker in one
+process); inside it, timers wrap the proposer's `propose`, the drafter round trip and vLLM's rejection
+sampler, and each (batch, temperature) job reports per-step means:
+
+- `step_ms`: generate wall time / engine steps (one `propose` call per step);
+- `propose_ms`: the proposer's `propose` (Saguaro: message, drafter round trip, probability assembly and
+  copy to the target's device; `draft_model`: its draft forwards and sampling);
+- Saguaro only: `drafter_ms` (the drafter's own compute, `StepResponse.compute_s`, incl. making q) and
+  `ours_ms` = `propose_ms - drafter_ms`: transport and probability assembly on the proposer side, the part
+  the 3 ms bar of issue 16 is about;
+- `gather_ms`: vLLM's `_get_spec_decode_draft_probs` (concatenates the rows of the proposer's probability
+  tensor for the sampler), `rejection_ms`: vLLM's rejection sampler; both paid by every method.
+
+    .venv/bin/python benchmarks/bench_transport.py --label before          # full matrix (~15 min)
+    .venv/bin/python benchmarks/bench_transport.py --vocabs 128256 --batches 16 --label smoke
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+CACHE = Path(os.environ.get("SAGUARO_CACHE", Path.home() / ".cache" / "saguaro-vllm")) / "bench-transport"
+ENGINES = ("vllm-draft_model", "saguaro-sync")
+PROMPT_LEN = 16
+
+
+def build_model(vocab: int) -> Path:
+    """A 1-layer, hidden-64 random Llama with `vocab` tokens (cached; no tokenizer: prompts are token ids)."""
+    path = CACHE / f"llama-h64-l1-v{vocab}"
+    if (path / "model.safetensors").exists():
+        return path
+    sys.path.insert(0, str(ROOT / "tests"))
+    from distribution import build_tiny_llama
+
+    return build_tiny_llama(path, vocab_size=vocab, num_layers=1, hidden_size=64, num_heads=2)
+
+
+def spec_config(engine: str, model: Path, k: int) -> dict:
+    if engine == "vllm-draft_model":
+        # probabilistic: vLLM's draft model samples and hands its q to the rejection sampler (the default,
+        # greedy, drafts the argmax and verifies it one-hot: no probabilities to move at all).
+        return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k,
+                "draft_sample_method": "probabilistic"}
+    if engine == "saguaro-sync":
+        # float32 like the target, so draft == target holds numerically too (acceptance ~1 at T = 1).
+        return {"method": "saguaro", "model": str(model), "num_speculative_tokens": k,
+                "saguaro": {"mode": "sync", "dtype": "float32", "step_timeout_s": 120}}
+    raise ValueError(f"--engines: unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+
+
+def run_engine(engine: str, vocab: int, args: argparse.Namespace, tree: tuple[str, str] | None = None) -> list[dict]:
+    """One engine in a fresh process; `tree` (name, path): run that checkout of saguaro_vllm (e.g. the code
+    before a change) by putting it first on the path of the engine and of the drafter it starts."""
+    model = build_model(vocab)
+    request = {"engine": engine, "vocab": vocab, "model": str(model), "spec": spec_config(engine, model, args.k),
+               "batches": args.batches, "temperatures": args.temperatures, "max_tokens": args.max_tokens,
+               "max_num_seqs": max(args.batches)}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    cwd = None
+    if tree is not None:  # `python -m` (the drafter) puts its cwd first on sys.path: run inside the tree
+        env["PYTHONPATH"] = os.pathsep.join([tree[1], env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        cwd = tree[1]
+    with tempfile.TemporaryDirectory(prefix="saguaro-bench-transport-") as tmp:
+        req, out, log = Path(tmp, "req.json"), Path(tmp, "out.json"), Path(tmp, "log")
+        req.write_text(json.dumps(request))
+        with open(log, "w") as f:
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", str(req), str(out)],
+                                  env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout_s,
+                                  check=False)
+        if os.environ.get("SAGUARO_BENCH_LOG_DIR"):
+            name = f"{engine}-{tree[0]}-{vocab}" if tree else f"{engine}-{vocab}"
+            Path(os.environ["SAGUARO_BENCH_LOG_DIR"], f"{name}.log").write_text(log.read_text())
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{engine} at vocab {vocab} failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        results = json.loads(out.read_text())
+    for r in results:
+        r["tree"] = tree[0] if tree else None
+    return results
+
+
+# -------------------------------------------------------------------------------- inside the engine
+
+class Timers:
+    """Per-job sums of wrapped calls (the engine runs in this process, so class attributes can be wrapped)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + seconds
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def wrap(self, owner, attr: str, name: str, on_result=None) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            out = original(*a, **kw)
+            self.add(name, time.perf_counter() - t0)
+            if on_result is not None:
+                on_result(out)
+            return out
+
+        setattr(owner, attr, timed)
+
+
+def worker(req_path: str, out_path: str) -> None:
+    r = json.loads(Path(req_path).read_text())
+    if r["engine"] != "saguaro-sync":
+        os.sched_setaffinity(0, [0])  # the core Saguaro's placement gives its target; the drafter gets the other
+    import numpy as np
+    from vllm import LLM, SamplingParams
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    timers = Timers()
+    timers.wrap(RejectionSampler, "forward", "rejection")
+    timers.wrap(GPUModelRunner, "_get_spec_decode_draft_probs", "gather")
+    if r["engine"] == "saguaro-sync":
+        from saguaro_vllm.drafter_client import DrafterClient
+        from saguaro_vllm.proposer import SaguaroProposer
+
+        timers.wrap(SaguaroProposer, "propose", "propose")
+        timers.wrap(DrafterClient, "step", "roundtrip", on_result=lambda resp: timers.add("drafter", resp.compute_s))
+    else:
+        from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+        timers.wrap(DraftModelProposer, "propose", "propose")
+
+    llm = LLM(model=r["model"], speculative_config=r["spec"], dtype="float32", enforce_eager=True,
+              max_model_len=128, max_num_seqs=r["max_num_seqs"], max_num_batched_tokens=4096,
+              skip_tokenizer_init=True, disable_log_stats=False, distributed_executor_backend="uni", seed=0,
+              enable_prefix_caching=False)
+    rng = np.random.default_rng(0)
+
+    def prompts(n: int) -> list[dict]:
+        return [{"prompt_token_ids": rng.integers(2, r["vocab"] - 2, PROMPT_LEN).tolist()} for _ in range(n)]
+
+    def counters() -> dict[str, float]:
+        return {m.name: getattr(m, "value", 0) for m in llm.get_metrics()
+                if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
+
+    for t in r["temperatures"]:  # warm-up: every code path once (first calls allocate and compile)
+        llm.generate(prompts(2), SamplingParams(temperature=t, max_tokens=12, ignore_eos=True, detokenize=False),
+                     use_tqdm=False)
+    results = []
+    for batch in r["batches"]:
+        for t in r["temperatures"]:
+            sp = SamplingParams(temperature=t, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
+            batch_prompts = prompts(batch)
+            before = counters()
+            load = os.getloadavg()[0]
+            timers.reset()
+            t0 = time.perf_counter()
+            llm.generate(batch_prompts, sp, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            after = counters()
+            d = {k.removeprefix("vllm:spec_decode_num_"): after[k] - before.get(k, 0) for k in after}
+            steps = timers.calls.get("propose", 0)
+            per_step = {f"{k}_ms": 1000 * v / steps for k, v in timers.sums.items()} if steps else {}
+            if "drafter_ms" in per_step:
+                per_step["ours_ms"] = per_step["propose_ms"] - per_step["drafter_ms"]
+            results.append({
+                "engine": r["engine"], "vocab": r["vocab"], "batch": batch, "temperature": t, "k": r["spec"][
+                    "num_speculative_tokens"], "steps": steps, "wall_s": wall,
+                "step_ms": 1000 * wall / steps if steps else None, **per_step,
+                "acceptance_rate": d["accepted_tokens"] / d["draft_tokens"] if d.get("draft_tokens") else None,
+                "load_avg_1m": [round(load, 2), round(os.getloadavg()[0], 2)],  # at the job's start and end
+            })
+            print(json.dumps(results[-1]), flush=True)
+    Path(out_path).write_text(json.dumps(results))
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = None
+    return {"cpu": cpu, "cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1m_at_start": load}
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, text=True,
+                              capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocabs", default="128256,151936")
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=36, help="output tokens per request (6 steps at K=5)")
+    p.add_argument("--label", default="run", help="results file: <date>-transport-<label>.json")
+    p.add_argument("--note", default="", help="free text stored with the results (e.g. machine contention)")
+    p.add_argument("--timeout-s", type=float, default=1800)
+    p.add_argument("--trees", default="", help="NAME=PATH,...: run the Saguaro engines once per checkout of "
+                   "saguaro_vllm (e.g. before=/tmp/old,after=.), interleaved per vocabulary")
+    a = p.parse_args(argv)
+    a.vocabs = [int(v) for v in a.vocabs.split(",")]
+    a.batches = [int(b) for b in a.batches.split(",")]
+    a.temperatures = [float(t) for t in a.temperatures.split(",")]
+    a.engines = a.engines.split(",")
+    a.trees = [tuple(t.split("=", 1)) for t in a.trees.split(",") if t]
+    for name, path in a.trees:
+        if not Path(path, "saguaro_vllm", "__init__.py").exists():
+            raise SystemExit(f"--trees: {name}={path} holds no saguaro_vllm package")
+    a.trees = [(name, str(Path(path).resolve())) for name, path in a.trees]
+    for engine in a.engines:
+        spec_config(engine, Path("."), a.k)  # unknown names fail before any engine starts
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    info = {"name": "transport", "kind": "transport", "label": args.label, "date": datetime.datetime.now(datetime.UTC).isoformat(),
+            "commit": git_commit(), "command": " ".join(sys.argv), "machine": machine(), "note": args.note,
+            "model": "random Llama, 1 layer, hidden 64, float32; draft == target", "k": args.k,
+            "max_tokens": args.max_tokens, "prompt_len": PROMPT_LEN,
+            "placement": "vLLM draft_model: whole engine on core 0; Saguaro: target on core 0, drafter on core 1",
+            "results": []}
+    for vocab in args.vocabs:
+        for engine in args.engines:
+            for tree in (args.trees or [None]) if engine.startswith("saguaro") else [None]:
+                print(f"== {engine} {tree[0] if tree else ''} vocab {vocab}", flush=True)
+                info["results"] += run_engine(engine, vocab, args, tree)
+    info["runtime_s"] = round(time.monotonic() - started, 1)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{info['date'][:10]}-transport-{args.label}.json"
+    out.write_text(json.dumps(info, indent=1) + "\n")
+    print(f"wrote {out} ({info['runtime_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(main())
