@@ -10,9 +10,10 @@ sampler, and each (batch, temperature) job reports per-step means:
 - `step_ms`: generate wall time / engine steps (one `propose` call per step);
 - `propose_ms`: the proposer's `propose` (Saguaro: message, drafter round trip, probability assembly and
   copy to the target's device; `draft_model`: its draft forwards and sampling);
-- Saguaro only: `drafter_ms` (the drafter's own compute, `StepResponse.compute_s`, incl. making q) and
-  `ours_ms` = `propose_ms - drafter_ms`: transport and probability assembly on the proposer side, the part
-  the 3 ms bar of issue 16 is about;
+- Saguaro only: `drafter_ms` (the drafter's own compute, `StepResponse.compute_s`, incl. making q),
+  `ours_ms` = `propose_ms - drafter_ms` (wall clock: transport, proposer-side work and, on a busy machine,
+  waits for a core), and `propose_cpu_ms`: the CPU time of the proposer's thread in `propose` (message,
+  receive, checks, probability assembly; no waiting): the part the 3 ms bar of issue 16 is about;
 - `gather_ms`: vLLM's `_get_spec_decode_draft_probs` (concatenates the rows of the proposer's probability
   tensor for the sampler), `rejection_ms`: vLLM's rejection sampler; both paid by every method.
 
@@ -111,14 +112,18 @@ class Timers:
         self.sums[name] = self.sums.get(name, 0.0) + seconds
         self.calls[name] = self.calls.get(name, 0) + 1
 
-    def wrap(self, owner, attr: str, name: str, on_result=None) -> None:
+    def wrap(self, owner, attr: str, name: str, on_result=None, cpu: bool = False) -> None:
+        """Time `owner.attr` (wall clock; with `cpu`, also this thread's CPU time as `<name>_cpu`, which
+        waiting for another process or for a core on a shared machine does not inflate)."""
         original = getattr(owner, attr)
 
         @functools.wraps(original)
         def timed(*a, **kw):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             out = original(*a, **kw)
             self.add(name, time.perf_counter() - t0)
+            if cpu:
+                self.add(f"{name}_cpu", time.thread_time() - c0)
             if on_result is not None:
                 on_result(out)
             return out
@@ -143,7 +148,7 @@ def worker(req_path: str, out_path: str) -> None:
         from saguaro_vllm.drafter_client import DrafterClient
         from saguaro_vllm.proposer import SaguaroProposer
 
-        timers.wrap(SaguaroProposer, "propose", "propose")
+        timers.wrap(SaguaroProposer, "propose", "propose", cpu=True)
         timers.wrap(DrafterClient, "step", "roundtrip", on_result=lambda resp: timers.add("drafter", resp.compute_s))
     else:
         from vllm.v1.spec_decode.draft_model import DraftModelProposer
@@ -194,6 +199,93 @@ def worker(req_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(results))
 
 
+# ------------------------------------------------------------------------- micro: our part alone
+
+def micro(vocab: int, batch: int, k: int, repeats: int) -> list[dict]:
+    """Our part without engines, per step with every row sampled: the drafter's q and tokens (logits ->
+    q -> token) and what happens between the processes up to the rejection sampler's tensor, before (pickled
+    `[K, vocab]` arrays and the loop-built dense tensor, as on b37cf6e) and after (q written into a ring slot,
+    the proposer's checks and zero-copy assembly). CPU time of this thread, one thread, min over repeats."""
+    import pickle
+
+    import numpy as np
+    import torch
+
+    from saguaro_vllm.drafter.sampling import proposal_probs, proposal_probs_rows, sample_from, sample_rows
+    from saguaro_vllm.proposal_buffers import ProposalRing, SlotWriter, assemble, draft_positions
+    from saguaro_vllm.transport import SamplingSpec
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    logits = [torch.randn(batch, vocab, generator=gen) * 3 for _ in range(k)]
+    spec = SamplingSpec(temperature=1.0)
+    gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+    ring = ProposalRing.create(rows=batch, k=k, vocab=vocab)
+
+    def before_drafter():
+        probs = {j: [] for j in range(batch)}
+        drafts = [[] for _ in range(batch)]
+        for pos in range(k):
+            for j in range(batch):
+                q = proposal_probs(logits[pos][j][None], spec)[0]
+                drafts[j].append(int(sample_from(q[None], gens[j])[0]))
+                probs[j].append(q.cpu().numpy())
+        return drafts, pickle.dumps({j: np.stack(p) for j, p in probs.items()}, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def before_proposer(drafts, payload):
+        probs = pickle.loads(payload)
+        dense = torch.zeros(batch, k, vocab, dtype=torch.float32)
+        for i, toks in enumerate(drafts):
+            for pos, tok in enumerate(toks):
+                dense[i, pos, tok] = 1.0
+        for j, q in probs.items():
+            dense[j, : len(drafts[j])] = torch.from_numpy(q[: len(drafts[j]), :vocab])
+        return dense
+
+    def after_drafter():
+        w = SlotWriter(ring, seq=1)
+        buf = w.buffer()
+        for j in range(batch):
+            w.row_of(j)
+        toks = []
+        for pos in range(k):
+            q = buf[:batch, pos]
+            proposal_probs_rows(logits[pos], [spec] * batch, out=q)
+            toks.append(sample_rows(q, gens))
+        slot, rows = w.finish()
+        return torch.stack(toks, 1).tolist(), slot, rows
+
+    def after_proposer(drafts, slot, rows):
+        assert ring.held(slot, 1)
+        buf = ring.slot(slot)
+        assert bool((buf[draft_positions([drafts[j] for j in rows])] > 0).all())
+        probs, _ = assemble(buf, rows, drafts, k)
+        ring.release_held()
+        return probs
+
+    def cpu_ms(fn, *a):
+        best, out = float("inf"), None
+        for _ in range(repeats):
+            c0 = time.thread_time()
+            out = fn(*a)
+            best = min(best, time.thread_time() - c0)
+        return 1000 * best, out
+
+    res = []
+    d_ms, (drafts, payload) = cpu_ms(before_drafter)
+    p_ms, _ = cpu_ms(before_proposer, drafts, payload)
+    res.append({"path": "before", "vocab": vocab, "batch": batch, "k": k, "drafter_cpu_ms": d_ms,
+                "proposer_cpu_ms": p_ms, "payload_mb": len(payload) / 2**20})
+    d_ms, _ = cpu_ms(after_drafter)
+    ring.release_held()
+    drafts, slot, rows = after_drafter()
+    p_ms, _ = cpu_ms(lambda: (ring.header.__setitem__((slot, 0), 2), after_proposer(drafts, slot, rows))[1])
+    res.append({"path": "after", "vocab": vocab, "batch": batch, "k": k, "drafter_cpu_ms": d_ms,
+                "proposer_cpu_ms": p_ms, "payload_mb": 0.0})
+    ring.close()
+    return res
+
+
 # ------------------------------------------------------------------------------------------ driver
 
 def machine() -> dict:
@@ -225,6 +317,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--label", default="run", help="results file: <date>-transport-<label>.json")
     p.add_argument("--note", default="", help="free text stored with the results (e.g. machine contention)")
     p.add_argument("--timeout-s", type=float, default=1800)
+    p.add_argument("--micro", action="store_true", help="our part alone, without engines (see `micro`)")
+    p.add_argument("--repeats", type=int, default=3, help="--micro: repeats per case (the minimum is kept)")
     p.add_argument("--trees", default="", help="NAME=PATH,...: run the Saguaro engines once per checkout of "
                    "saguaro_vllm (e.g. before=/tmp/old,after=.), interleaved per vocabulary")
     a = p.parse_args(argv)
@@ -245,6 +339,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
+    if args.micro:
+        rows = [r for v in args.vocabs for b in args.batches for r in micro(v, b, args.k, args.repeats)]
+        info = {"name": "transport-micro", "kind": "transport-micro", "label": args.label,
+                "date": datetime.datetime.now(datetime.UTC).isoformat(), "commit": git_commit(),
+                "command": " ".join(sys.argv), "machine": machine(), "note": args.note, "results": rows}
+        for r in rows:
+            print(json.dumps(r))
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        out = RESULTS / f"{info['date'][:10]}-transport-micro-{args.label}.json"
+        out.write_text(json.dumps(info, indent=1) + "\n")
+        print(f"wrote {out}")
+        return 0
     info = {"name": "transport", "kind": "transport", "label": args.label, "date": datetime.datetime.now(datetime.UTC).isoformat(),
             "commit": git_commit(), "command": " ".join(sys.argv), "machine": machine(), "note": args.note,
             "model": "random Llama, 1 layer, hidden 64, float32; draft == target", "k": args.k,
