@@ -77,8 +77,19 @@ class SaguaroOptions(BaseModel):
     )
     step_timeout_s: float = Field(
         30.0,
-        description="How long the proposer waits for the drafter's answer in one step before giving up on "
-        "drafts for that step (the request continues without speculation; output is unaffected).",
+        description="Upper bound of the wait for the drafter's answer in one step (the wait itself is derived "
+        "from measured step times, see step_deadline_floor_s), and the longest a drafter that is still "
+        "computing may take before it is restarted. The request continues without speculation; output is "
+        "unaffected.",
+    )
+    step_deadline_floor_s: float = Field(
+        1.0,
+        description="Lower bound of the derived per-step wait (8 x the recent p99 of answered steps): a hung "
+        "drafter costs one wait of about this long, then it is restarted in the background.",
+    )
+    max_restarts: int = Field(
+        5, description="Drafter restarts allowed (1 s, 2 s, 4 s ... apart) before speculation is disabled; "
+        "the budget refills after 10 minutes of healthy service.",
     )
     startup_timeout_s: float = Field(600.0, description="How long to wait for the drafter process to load.")
     log_interval_s: float = Field(10.0, description="Seconds between Saguaro log lines (0 disables).")
@@ -157,11 +168,18 @@ class SaguaroOptions(BaseModel):
             raise ValueError("needs K+1 non-negative numbers summing to 1..256")
         return v
 
-    @field_validator("kv_cache_gb", "step_timeout_s", "startup_timeout_s")
+    @field_validator("kv_cache_gb", "step_timeout_s", "startup_timeout_s", "step_deadline_floor_s")
     @classmethod
     def _positive(cls, v: float) -> float:
         if v <= 0:
             raise ValueError("must be > 0")
+        return v
+
+    @field_validator("max_restarts")
+    @classmethod
+    def _restarts(cls, v: int) -> int:
+        if not 0 <= v <= 1000:
+            raise ValueError("must be between 0 and 1000 (0: never restart a failed drafter)")
         return v
 
     @field_validator("max_tokens_per_forward")

@@ -1,160 +1,413 @@
 """The proposer's handle on the drafter process: start it, talk to it, restart it, stop it.
 
-Every failure here (a drafter that cannot load, crashes, or answers too late) degrades to "no drafts this
-step": vLLM then decodes without speculation and the user's request is unaffected. A dead drafter is
-restarted a bounded number of times; after a restart all request contexts are resent from scratch.
+Every failure here degrades to "no drafts this step" (`DrafterUnavailable`): vLLM then decodes without
+speculation and requests are unaffected. The engine never waits on a drafter that is loading or sick:
+
+    starting --Ready--> ready --dies / hangs--> restarting --Ready--> ready ...
+        |                 |  \\--answer late, still computing--> late --answer--> ready
+        +--Failed (cannot load the draft) / restart budget spent--> disabled
+
+- One step waits at most `StepDeadline.for_step` (about a second, derived from measured step times, capped
+  by `saguaro.step_timeout_s`). A drafter that misses it while using no CPU (stopped, deadlocked) is hung:
+  it gets SIGTERM, SIGKILL a second later, and a replacement starts once it is gone. One that is still
+  computing (a long prompt) is `late`: steps go on without drafts, not waiting, until its answer arrives
+  (or `step_timeout_s` passes: then it is killed as hung).
+- Restarts run in the background: while `starting` / `restarting` every step returns at once without drafts;
+  readiness is polled with a zero timeout at each step. A new drafter holds nothing: `generation` bumps
+  and the proposer resends every context.
+- Backoff and budget: `RestartPolicy` (drafter_policy.py). A draft that fails to load (`Failed`) is
+  disabled at once: retrying cannot fix bad weights.
+- Every reply is size-checked, decoded as a typed message and checked against its request
+  (`transport.check_response`) before use.
+- One log line per state change (failed, restarting, late, back, disabled, invalid replies, valid again),
+  never one per step; every step without drafts is counted (`vllm:saguaro_drafter_failures_total{reason}`).
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 import weakref
 
+from saguaro_vllm.drafter_policy import RestartPolicy, StepDeadline, process_progress
+from saguaro_vllm.metrics import SaguaroMetrics
 from saguaro_vllm.transport import (
+    CONTROL_MAX_BYTES,
     Channel,
     Failed,
+    MessageRejected,
     Ready,
     Shutdown,
     StepRequest,
     StepResponse,
-    endpoint_path,
+    ToProposer,
+    check_response,
+    endpoint_dir,
     new_endpoint,
+    reply_size_limit,
 )
 
-MAX_RESTARTS = 3
+STARTING, READY, LATE, RESTARTING, DISABLED = "starting", "ready", "late", "restarting", "disabled"
+STATES = (STARTING, READY, LATE, RESTARTING, DISABLED)
+SERVER_MODULE = "saguaro_vllm.drafter.server"
+KILL_GRACE_S = 1.0  # SIGTERM -> SIGKILL
+BUSY_CPU_FRACTION = 0.02  # a late drafter using less CPU than this share of a second is hung
+RECV_SLICE_S = 0.05  # how often a waiting step checks that the drafter process still lives
 
 
 class DrafterUnavailable(RuntimeError):
-    """The drafter cannot answer now; the caller proposes no drafts."""
+    """The drafter cannot answer this step; the caller proposes no drafts.
+
+    `reason` is a short label (the failure counter's); `delivered` says whether the drafter got the request
+    (if not, the caller keeps what it meant to send, e.g. the finished-request list)."""
+
+    def __init__(self, reason: str, detail: str = "", delivered: bool = False):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.delivered = reason, delivered
 
 
-def _stop(proc: subprocess.Popen | None, chan: Channel | None, endpoint: str | None) -> None:
-    if chan is not None:
-        try:
-            chan.send(Shutdown())
-        except Exception:
-            pass
-    if proc is not None and proc.poll() is None:
-        try:
-            proc.wait(timeout=3)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=3)
-    if chan is not None:
-        chan.close()
-    if endpoint is not None:
-        shutil.rmtree(os.path.dirname(endpoint_path(endpoint)), ignore_errors=True)
+class _Processes:
+    """Every drafter process of one client and its socket directory, stopped together at exit."""
+
+    def __init__(self):
+        self.procs: dict[subprocess.Popen, str] = {}
+
+    def stop_all(self) -> None:
+        for proc in list(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+                _signal(proc, signal.SIGCONT)
+        for proc, socket_dir in list(self.procs.items()):
+            try:
+                proc.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=3)
+            shutil.rmtree(socket_dir, ignore_errors=True)
+        self.procs.clear()
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except (ProcessLookupError, OSError):
+        pass
 
 
 class DrafterClient:
-    def __init__(self, cfg: dict, logger):
+    def __init__(self, cfg: dict, logger, metrics: SaguaroMetrics | None = None, vocab_size: int | None = None,
+                 server_module: str = SERVER_MODULE, clock=time.monotonic):
         self.cfg = cfg
         self.logger = logger
+        self.metrics = metrics if metrics is not None else SaguaroMetrics(cfg, logger)
+        self.vocab_size = int(vocab_size or cfg["vocab_size"])
+        self.server_module = server_module
+        self.clock = clock
+        opts = cfg["saguaro"]
+        self.step_timeout_s = float(opts["step_timeout_s"])
+        self.startup_timeout_s = float(opts["startup_timeout_s"])
+        self.deadline = StepDeadline(floor_s=float(opts.get("step_deadline_floor_s", 1.0)),
+                                     cap_s=self.step_timeout_s)
+        self.policy = RestartPolicy(max_restarts=int(opts.get("max_restarts", 5)), clock=clock)
+        self.state = STARTING
+        self.generation = 1  # bumped whenever the drafter's state is lost: request contexts must be resent
+        self.restarts = 0
+        self.disabled_reason: str | None = None
+        self.info: dict = {}
         self.proc: subprocess.Popen | None = None
         self.chan: Channel | None = None
         self.endpoint: str | None = None
-        self.ready = False
-        self.disabled_reason: str | None = None
-        self.restarts = 0
-        self.generation = 0  # bumped on every (re)start: request contexts must be resent
-        self.info: dict = {}
-        self._started_at = 0.0
-        self._finalizer = None
-        self.start()
+        self._started_at = self._failed_at = 0.0
+        self._restart_at: float | None = None
+        self._dying: dict[subprocess.Popen, float] = {}  # process -> when to SIGKILL it
+        self._late: dict | None = None  # the step whose answer is late
+        self._late_resync: list[str] = []
+        self._invalid: str | None = None  # the reason of the last invalid reply, until a valid one
+        self._procs = _Processes()
+        self._finalizer = weakref.finalize(self, self._procs.stop_all)
+        self._set_state(STARTING)
+        self._start()
 
-    # ---- lifecycle -------------------------------------------------------------------------------
-    def start(self) -> None:
+    # ---- processes --------------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        self._restart_at = None
         self.endpoint = new_endpoint()
-        self.chan = Channel(self.endpoint, bind=True)
+        socket_dir = endpoint_dir(self.endpoint)
+        self.chan = Channel(self.endpoint, bind=True, accepts=ToProposer)
+        bootstrap = os.path.join(socket_dir, "bootstrap.json")
+        fd = os.open(bootstrap, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"endpoint": self.endpoint, "parent_pid": os.getpid(), "config": self.cfg}, f)
         env = dict(os.environ)
         # The drafter must not inherit the target worker's OpenMP binding or thread count.
         for key in ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND", "KMP_AFFINITY", "GOMP_CPU_AFFINITY"):
             env.pop(key, None)
-        cmd = [sys.executable, "-m", "saguaro_vllm.drafter.server", "--endpoint", self.endpoint,
-               "--config", json.dumps(self.cfg), "--parent-pid", str(os.getpid())]
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=False)
-        self.ready = False
-        self.generation += 1
-        self._started_at = time.monotonic()
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _stop, self.proc, self.chan, self.endpoint)
-        atexit.register(self._finalizer)
+        cmd = [sys.executable, "-m", self.server_module, "--bootstrap", bootstrap]
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        self._procs.procs[self.proc] = socket_dir
+        self._started_at = self.clock()
 
-    def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """Block until the drafter has loaded (True), or failed / timed out (False, drafting disabled)."""
-        if self.ready or self.disabled_reason:
-            return self.ready
-        budget = self.cfg["saguaro"]["startup_timeout_s"] if timeout_s is None else timeout_s
-        deadline = self._started_at + budget
-        while True:
-            left = deadline - time.monotonic()
-            msg = self.chan.recv(timeout_s=max(0.0, min(left, 1.0)))
-            if isinstance(msg, Ready):
-                self.ready, self.info = True, msg.info
-                self.logger.info("Saguaro drafter ready (pid %d): %s", msg.pid, msg.info)
-                return True
-            if isinstance(msg, Failed):
-                return self._disable(f"drafter failed to start: {msg.error}")
-            if self.proc.poll() is not None:
-                return self._disable(f"drafter process exited with code {self.proc.returncode} during start")
-            if left <= 0:
-                return self._disable(f"drafter did not start within {budget:.0f} s (saguaro.startup_timeout_s)")
-
-    def _disable(self, reason: str) -> bool:
-        self.logger.error("Saguaro: %s; continuing WITHOUT speculation (outputs are unaffected).", reason)
-        self.disabled_reason = reason
-        self.close()
-        return False
-
-    def close(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
+    def _retire(self) -> None:
+        """Stop the current process without waiting: SIGTERM now (and SIGCONT, so a stopped process can
+        act on it), SIGKILL after KILL_GRACE_S; its replacement starts only once it is gone."""
+        if self.chan is not None:
+            self.chan.close()
+        if self.proc is not None:
+            shutil.rmtree(self._procs.procs.get(self.proc, ""), ignore_errors=True)
+            if self.proc.poll() is None:
+                _signal(self.proc, signal.SIGTERM)
+                _signal(self.proc, signal.SIGCONT)
+                self._dying[self.proc] = self.clock() + KILL_GRACE_S
+            else:
+                self._procs.procs.pop(self.proc, None)
         self.proc = self.chan = None
-        self.ready = False
+        self._late = None
 
-    # ---- steps -----------------------------------------------------------------------------------
-    def step(self, req: StepRequest) -> StepResponse:
-        """Send one step and wait for its answer; raises DrafterUnavailable (never anything else)."""
-        if self.disabled_reason:
-            raise DrafterUnavailable(self.disabled_reason)
-        if not self.ready and not self.wait_ready():
-            raise DrafterUnavailable(self.disabled_reason or "drafter not ready")
-        if self.proc.poll() is not None:
-            self._restart(f"drafter process died (exit code {self.proc.returncode})")
-            raise DrafterUnavailable("drafter restarting")
-        if not self.chan.send(req):
-            if self.proc.poll() is not None:
-                self._restart(f"drafter process died (exit code {self.proc.returncode})")
-            raise DrafterUnavailable("drafter did not take the step request")
-        deadline = time.monotonic() + self.cfg["saguaro"]["step_timeout_s"]
-        while True:
-            msg = self.chan.recv(timeout_s=max(0.0, min(deadline - time.monotonic(), 1.0)))
-            if isinstance(msg, StepResponse):
-                if msg.step == req.step:
-                    if msg.error:
-                        self.logger.warning("Saguaro drafter step failed: %s", msg.error)
-                    return msg
-                continue  # a late answer to an abandoned step: drop it
-            if self.proc.poll() is not None:
-                self._restart(f"drafter process died (exit code {self.proc.returncode})")
-                raise DrafterUnavailable("drafter restarting")
-            if time.monotonic() >= deadline:
-                raise DrafterUnavailable(
-                    f"drafter did not answer within {self.cfg['saguaro']['step_timeout_s']} s "
-                    "(saguaro.step_timeout_s)"
-                )
+    def _reap(self) -> None:
+        now = self.clock()
+        for proc, kill_at in list(self._dying.items()):
+            if proc.poll() is not None:
+                del self._dying[proc]
+                self._procs.procs.pop(proc, None)
+            elif now >= kill_at:
+                proc.kill()
 
-    def _restart(self, reason: str) -> None:
-        self.close()
-        if self.restarts >= MAX_RESTARTS:
-            self._disable(f"{reason}; gave up after {MAX_RESTARTS} restarts")
+    # ---- state changes ------------------------------------------------------------------------------------------
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        self.metrics.on_drafter_state(state)
+
+    def _lost(self, reason: str) -> None:
+        """The drafter's state is gone (it died, hung or spoke nonsense): restart it after the backoff."""
+        pid = self.proc.pid if self.proc is not None else None
+        self._retire()
+        self.generation += 1
+        self._failed_at = self.clock()
+        delay = self.policy.next_delay()
+        if delay is None:
+            self._disable(f"drafter (pid {pid}) {reason}; gave up after {self.policy.max_restarts} restarts "
+                          f"(saguaro.max_restarts)")
             return
         self.restarts += 1
-        self.logger.warning("Saguaro: %s; restarting it (%d/%d)", reason, self.restarts, MAX_RESTARTS)
-        self.start()
+        self.metrics.on_drafter_restart()
+        self._restart_at = self.clock() + delay
+        self._set_state(RESTARTING)
+        self.logger.warning(
+            "Saguaro: drafter (pid %s) %s; restarting it%s (restart %d of %d); steps go on without drafts",
+            pid, reason, f" in {delay:.0f} s" if delay else "", self.policy.count, self.policy.max_restarts)
+
+    def _disable(self, reason: str) -> None:
+        self.logger.error("Saguaro: %s; continuing WITHOUT speculation (outputs are unaffected).", reason)
+        self.disabled_reason = reason
+        self._retire()
+        self._set_state(DISABLED)
+
+    def _on_ready(self, msg: Ready) -> None:
+        first = self.state == STARTING
+        self.info = msg.info
+        self.policy.on_ready()
+        self.deadline.new_drafter()
+        self._set_state(READY)
+        if first:
+            self.logger.info("Saguaro drafter ready (pid %d): %s", msg.pid, msg.info)
+        else:
+            self.logger.info("Saguaro: drafter back (pid %d, %.1f s after it failed); request contexts are "
+                             "resent", msg.pid, self.clock() - self._failed_at)
+
+    def _reply_problem(self, reason: str, detail: str) -> None:
+        if self._invalid is None:
+            self.logger.warning("Saguaro: drafter reply unusable (%s: %s): no drafts this step; further ones are "
+                                "only counted (vllm:saguaro_drafter_failures_total)", reason, detail[:500])
+        self._invalid = reason
+
+    def _reply_fine(self) -> None:
+        if self._invalid is not None:
+            self.logger.info("Saguaro: drafter replies are valid again (last problem: %s)", self._invalid)
+            self._invalid = None
+
+    def _unavailable(self, reason: str, detail: str = "", delivered: bool = False) -> DrafterUnavailable:
+        self.metrics.on_failure(reason)
+        return DrafterUnavailable(reason, detail, delivered)
+
+    # ---- polling (never blocks) ---------------------------------------------------------------------------------
+    def poll(self) -> bool:
+        """Advance the state machine without waiting; True if a step can be sent now."""
+        if self.state == DISABLED:
+            return False
+        self._reap()
+        if self.state == LATE:
+            self._poll_late()
+        elif self.state == READY:
+            if self.proc.poll() is not None:
+                self._lost(f"exited with code {self.proc.returncode}")
+            elif self.policy.refill():
+                self.logger.info("Saguaro: drafter healthy for %.0f s; restart budget refilled",
+                                 self.policy.healthy_reset_s)
+        elif self.proc is None:  # restarting: waiting for the old process to go and for the backoff
+            if not self._dying and self.clock() >= self._restart_at:
+                self._start()
+        else:
+            self._poll_loading()
+        return self.state == READY
+
+    def _poll_loading(self) -> None:
+        try:
+            msg = self.chan.recv(timeout_s=0, max_bytes=CONTROL_MAX_BYTES)
+        except MessageRejected as err:
+            self._lost(f"sent a malformed start-up message ({err})")
+            return
+        if isinstance(msg, Ready):
+            self._on_ready(msg)
+        elif isinstance(msg, Failed):
+            self._disable(f"drafter failed to start: {msg.error}")
+        elif msg is not None:
+            self._lost(f"sent {type(msg).__name__} before Ready")
+        elif self.proc.poll() is not None:
+            self._lost(f"exited with code {self.proc.returncode} while loading")
+        elif self.clock() - self._started_at > self.startup_timeout_s:
+            self._lost(f"did not load within {self.startup_timeout_s:.0f} s (saguaro.startup_timeout_s)")
+
+    def _poll_late(self) -> None:
+        late = self._late
+        try:
+            msg = self.chan.recv(timeout_s=0, max_bytes=late["max_bytes"], max_frames=late["max_frames"])
+        except MessageRejected as err:
+            msg = None
+            self.metrics.on_failure(err.reason)
+            self._reply_problem(err.reason, str(err))
+            self._answered_late(None)
+            return
+        if isinstance(msg, StepResponse) and msg.step == late["step"]:
+            self._answered_late(msg)
+            return
+        now = self.clock()
+        if self.proc.poll() is not None:
+            self._lost(f"exited with code {self.proc.returncode} while computing a late step")
+        elif now - late["sent"] > self.step_timeout_s:
+            self._lost(f"did not answer step {late['step']} within {self.step_timeout_s:g} s "
+                       "(saguaro.step_timeout_s)")
+        elif now - late["probed"] >= 1.0 and not self._busy(late):
+            self._lost(f"stopped working on step {late['step']} (no CPU progress): it is hung")
+
+    def _answered_late(self, msg: StepResponse | None) -> None:
+        late, self._late = self._late, None
+        if msg is not None:  # (not measured: one outlier must not stretch every later step's wait)
+            self._late_resync.extend(msg.resync)
+        self._set_state(READY)
+        self.logger.info("Saguaro: drafter answered its late step %d after %.1f s; drafts resume",
+                         late["step"], self.clock() - late["sent"])
+
+    def _busy(self, late: dict) -> bool:
+        """Did the drafter use CPU since the last probe (it is computing, not stopped or deadlocked)?"""
+        probe = process_progress(self.proc.pid)
+        now = self.clock()
+        busy = probe is not None and probe[0] not in "TtZX" and \
+            probe[1] - late["cpu"] >= BUSY_CPU_FRACTION * (now - late["probed"])
+        if probe is not None:
+            late["cpu"] = probe[1]
+        late["probed"] = now
+        return busy
+
+    def take_late_resync(self) -> list[str]:
+        """Requests a late answer asked to resend (the proposer applies them before its next step)."""
+        out, self._late_resync = self._late_resync, []
+        return out
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until the drafter can take steps (True), or it is disabled or `timeout_s` (default
+        `startup_timeout_s`) passed (False; start-up or restarts go on in the background)."""
+        deadline = self.clock() + (self.startup_timeout_s if timeout_s is None else timeout_s)
+        while not self.poll():
+            if self.state == DISABLED or self.clock() >= deadline:
+                return False
+            if self.chan is not None and self.state in (STARTING, RESTARTING):
+                self.chan.sock.poll(50)
+            else:
+                time.sleep(0.05)
+        return True
+
+    def close(self) -> None:
+        """Stop the drafter (blocking: at shutdown only)."""
+        if self.chan is not None and self.state in (READY, LATE):
+            self.chan.send(Shutdown())
+        if self.chan is not None:
+            self.chan.close()
+        self.proc = self.chan = None
+        self._finalizer()
+        self._dying.clear()
+        if self.state != DISABLED:
+            self.disabled_reason = "closed"
+            self._set_state(DISABLED)
+
+    # ---- steps ------------------------------------------------------------------------------------------------
+    def step(self, req: StepRequest) -> StepResponse:
+        """Send one step and wait (boundedly) for its answer; raises DrafterUnavailable, never anything else."""
+        try:
+            return self._step(req)
+        except DrafterUnavailable:
+            raise
+        except Exception as err:  # a bug here must cost drafts, not the request
+            self.logger.exception("Saguaro: drafter client error")
+            self._lost(f"left the client in an unknown state ({type(err).__name__}: {err})")
+            raise self._unavailable("client_error", str(err), delivered=True) from None
+
+    def _step(self, req: StepRequest) -> StepResponse:
+        if not self.poll():
+            raise self._unavailable(self.state)
+        if not self.chan.send(req):  # no peer on the socket: a PAIR socket does not reconnect, restart
+            code = self.proc.poll()
+            self._lost(f"exited with code {code}" if code is not None else "dropped its connection")
+            raise self._unavailable("send", "the drafter did not take the request")
+        sent = self.clock()
+        tokens = sum(len(r.new_tokens) for r in req.rows)
+        limit = self.deadline.for_step(tokens)
+        max_bytes, max_frames = reply_size_limit(req, self.vocab_size)
+        probe = process_progress(self.proc.pid)
+        while True:
+            left = sent + limit - self.clock()
+            try:
+                msg = self.chan.recv(timeout_s=max(0.0, min(left, RECV_SLICE_S)), max_bytes=max_bytes,
+                                     max_frames=max_frames)
+            except MessageRejected as err:
+                self._reply_problem(err.reason, str(err))
+                raise self._unavailable(err.reason, str(err), delivered=True) from None
+            if msg is None:
+                if self.proc.poll() is not None:
+                    self._lost(f"exited with code {self.proc.returncode} during a step")
+                    raise self._unavailable("died", delivered=True)
+                if left <= 0:
+                    self._missed_deadline(req, sent, limit, tokens, max_bytes, max_frames, probe)
+                    raise self._unavailable("timeout", f"no answer within {limit:.2f} s", delivered=True)
+                continue
+            if isinstance(msg, StepResponse) and msg.step < req.step:
+                continue  # an answer to an earlier step: drop it
+            problem = check_response(req, msg, self.vocab_size) if isinstance(msg, StepResponse) else \
+                f"unexpected: a {type(msg).__name__} message during a step"
+            if problem is not None:
+                reason = problem.split(":", 1)[0]
+                self._reply_problem(reason, problem)
+                raise self._unavailable(reason, problem, delivered=True)
+            self.deadline.observe(self.clock() - sent, tokens)
+            if msg.error:  # the drafter's step raised; it freed the rows and asks for them again
+                self.metrics.on_failure("drafter_error")
+                self._reply_problem("drafter_error", msg.error)
+            else:
+                self._reply_fine()
+            return msg
+
+    def _missed_deadline(self, req, sent, limit, tokens, max_bytes, max_frames, probe) -> None:
+        late = {"step": req.step, "sent": sent, "tokens": tokens, "max_bytes": max_bytes, "max_frames": max_frames,
+                "cpu": probe[1] if probe else 0.0, "probed": sent}
+        if self.step_timeout_s > limit and self._busy(late):
+            self._late = late
+            self._set_state(LATE)
+            self.logger.warning(
+                "Saguaro: drafter did not answer step %d within %.2f s (derived from measured step times) but "
+                "is computing; steps go on without drafts until it answers (at most saguaro.step_timeout_s = "
+                "%g s)", req.step, limit, self.step_timeout_s)
+        else:
+            self._lost(f"did not answer step {req.step} within {limit:.2f} s and is not computing: it is hung")

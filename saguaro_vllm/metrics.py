@@ -94,7 +94,15 @@ def _prometheus() -> dict:
                 "complete unspeculated); raise saguaro.kv_cache_gb if this grows."),
             "failures": prometheus_client.Counter(
                 "vllm:saguaro_drafter_failures",
-                "Steps in which the drafter could not answer (no drafts proposed; outputs unaffected)."),
+                "Steps in which the drafter could not answer (no drafts proposed; outputs unaffected), by "
+                "reason (docs/metrics.md).", labelnames=["reason"]),
+            "restarts": prometheus_client.Counter(
+                "vllm:saguaro_drafter_restarts",
+                "Drafter restarts after a crash, a hang or a malformed start-up (docs/troubleshooting.md)."),
+            "state": prometheus_client.Gauge(
+                "vllm:saguaro_drafter_state",
+                "1 for the drafter client's current state (starting, ready, late, restarting, disabled), "
+                "0 for the others.", labelnames=["state"], multiprocess_mode="livesum"),
         }
     return _PROM or {}
 
@@ -129,6 +137,9 @@ class SaguaroMetrics:
         self.predraft_rounds = self.predraft_done = self.dropped = self.skipped = 0
         self.budget = 0
         self.cut_short = self.topups = self.rows_no_room = 0
+        self.failures_by_reason: dict[str, int] = {}
+        self.restarts = 0
+        self.drafter_state = ""
         self._last_log = time.monotonic()
         self._window = [0, 0.0, 0.0, 0, 0, 0]  # steps, round trip, compute, draft tokens, lookups, hits
 
@@ -210,11 +221,28 @@ class SaguaroMetrics:
                 prom["verify"].observe(float(ssd.get("verify_s", 0.0)))
 
     def on_failure(self, reason: str) -> None:
+        """A step without drafts; `reason` is a short label. Not logged: the drafter client logs each
+        change of state once."""
         self.failures += 1
+        self.failures_by_reason[reason] = self.failures_by_reason.get(reason, 0) + 1
         self.prom = _prometheus()
         if self.prom:
-            self.prom["failures"].inc()
-        self.logger.warning("Saguaro: no drafts this step: %s", reason)
+            self.prom["failures"].labels(reason=reason).inc()
+
+    def on_drafter_restart(self) -> None:
+        self.restarts += 1
+        self.prom = _prometheus()
+        if self.prom:
+            self.prom["restarts"].inc()
+
+    def on_drafter_state(self, state: str) -> None:
+        from saguaro_vllm.drafter_client import STATES
+
+        self.drafter_state = state
+        self.prom = _prometheus()
+        if self.prom:
+            for name in STATES:
+                self.prom["state"].labels(state=name).set(1 if name == state else 0)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
@@ -244,4 +272,6 @@ class SaguaroMetrics:
             "predraft_done": self.predraft_done, "branches_dropped": self.dropped,
             "late_s": self.late_s, "predraft_skipped": self.skipped,
             "predraft_cut_short": self.cut_short, "topups": self.topups, "rows_no_room": self.rows_no_room,
+            "failures_by_reason": dict(self.failures_by_reason), "restarts": self.restarts,
+            "drafter_state": self.drafter_state,
         }

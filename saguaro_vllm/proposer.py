@@ -17,6 +17,7 @@ import torch
 
 from saguaro_vllm.config import ADDITIONAL_CONFIG_KEY
 from saguaro_vllm.drafter_client import DrafterClient, DrafterUnavailable
+from saguaro_vllm.drafter_policy import ResyncBackoff
 from saguaro_vllm.metrics import SaguaroMetrics
 from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
 
@@ -49,12 +50,14 @@ class SaguaroProposer:
         self.step_id = 0
         self._last_probs: torch.Tensor | None = None
         self._generation = 0
+        self.resync_backoff = ResyncBackoff()  # counted in `propose` calls with a ready drafter
+        self._calls = 0
         self.metrics = SaguaroMetrics(self.cfg, self.logger)
         self.client: DrafterClient | None = None
         if self.cfg.get("target_cores"):
             self._pin_target(self.cfg["target_cores"])
         if self._is_output_rank():
-            self.client = DrafterClient(self.cfg, self.logger)
+            self.client = DrafterClient(self.cfg, self.logger, metrics=self.metrics, vocab_size=self.vocab_size)
 
     def _pin_target(self, cores: list[int]) -> None:
         """CPU: keep the whole target worker on its cores (saguaro_vllm/placement.py says why)."""
@@ -75,7 +78,8 @@ class SaguaroProposer:
 
     # ---- hooks called by vLLM and by our runner patch ---------------------------------------------
     def load_model(self, target_model: Any = None) -> None:
-        """vLLM's model-loading phase: wait for the drafter so the first requests already get drafts."""
+        """vLLM's model-loading phase: wait (at most `startup_timeout_s`) for the first drafter, so the first
+        requests already get drafts; a drafter still loading after that keeps loading in the background."""
         if self.client is not None:
             self.client.wait_ready()
 
@@ -84,6 +88,7 @@ class SaguaroProposer:
 
     def on_requests_finished(self, req_ids) -> None:
         for rid in req_ids:
+            self.resync_backoff.forget(rid)
             if self.sent.pop(rid, None) is not None:
                 self.finished.append(rid)
 
@@ -98,17 +103,25 @@ class SaguaroProposer:
         self._last_probs = None
         if self.client is None or self.runner is None:
             return drafts
-        if self.client.generation != self._generation:  # drafter (re)started: resend every context
-            self._generation = self.client.generation
-            self.sent.clear()
-            self.finished.clear()
+        ready = self.client.poll()  # never waits: a drafter that is (re)starting means no drafts now
+        self._sync_generation()
+        if not ready:
+            if sampled_token_ids:
+                self.metrics.on_failure(self.client.state)
+            return drafts
+        for rid in self.client.take_late_resync():
+            self.sent.pop(rid, None)
+        self._calls += 1
         req_ids = self.runner.input_batch.req_ids
         rows: list[RowUpdate] = []
         row_index: list[int] = []
+        previous: dict[str, int | None] = {}  # what `sent` held before this step, restored if undelivered
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:  # partial prefill chunk: nothing to draft from yet
                 continue
             rid = req_ids[i]
+            if self.resync_backoff.skip(rid, self._calls):
+                continue
             n = int(num_tokens_no_spec[i])
             start = self.sent.get(rid, 0)
             if start > n:  # cannot happen for an append-only context; resend to be safe
@@ -119,22 +132,33 @@ class SaguaroProposer:
                 sampling = sampling_spec(state.sampling_params if state is not None else None)
             rows.append(RowUpdate(rid, start, token_ids_cpu[i, start:n].tolist(), self.k, sampling))
             row_index.append(i)
+            previous[rid] = self.sent.get(rid)
             self.sent[rid] = n
         if not rows and not self.finished:
             return drafts
         self.step_id += 1
-        request = StepRequest(self.step_id, rows, self.finished, sent_at=time.monotonic())
-        self.finished = []
+        finished = list(self.finished)
+        request = StepRequest(self.step_id, rows, finished, sent_at=time.monotonic())
         t0 = time.perf_counter()
         try:
             resp = self.client.step(request)
         except DrafterUnavailable as err:
-            self.metrics.on_failure(str(err))
-            if self.client.generation != self._generation:
-                self.sent.clear()
+            # A new drafter holds nothing (everything is resent, nothing needs freeing). Otherwise keep
+            # what a drafter that never saw this step still needs: the finished ids and the rows' tokens.
+            if not self._sync_generation():
+                if err.delivered:
+                    self.finished = self.finished[len(finished):]
+                else:
+                    for rid, before in previous.items():
+                        if before is None:
+                            self.sent.pop(rid, None)
+                        else:
+                            self.sent[rid] = before
             return drafts
+        self.finished = self.finished[len(finished):]
         for rid in resp.resync:
             self.sent.pop(rid, None)
+            self.resync_backoff.on_resync(rid, self._calls)
         for j, i in enumerate(row_index):
             drafts[i] = resp.drafts[j][: self.k]
         if resp.probs:
@@ -143,6 +167,16 @@ class SaguaroProposer:
                              sum(len(d) for d in drafts), resp.live_requests, resp.free_blocks,
                              resp.row_status, resp.row_depth, resp.ssd)
         return drafts
+
+    def _sync_generation(self) -> bool:
+        """True (and every context forgotten) if the drafter's state was lost since the last call."""
+        if self.client.generation == self._generation:
+            return False
+        self._generation = self.client.generation
+        self.sent.clear()
+        self.finished.clear()
+        self.resync_backoff.clear()
+        return True
 
     def _dense_probs(self, drafts: list[list[int]], row_index: list[int],
                      probs: dict[int, np.ndarray]) -> torch.Tensor:

@@ -1,32 +1,58 @@
 """Messages between the proposer (in vLLM's worker) and the drafter process, and the socket they travel on.
 
-One ZeroMQ PAIR socket over a local `ipc://` endpoint (never TCP): messages are delivered in order, so the
-drafter's view of each request's context always equals what the proposer sent. Payloads are pickled
-dataclasses of plain Python lists and NumPy arrays (local and trusted: both ends are our processes).
-No vLLM import here: the drafter side must run without vLLM.
+One ZeroMQ PAIR socket over a local `ipc://` endpoint in a 0700 directory (never TCP): messages arrive in
+order, so the drafter's view of each request's context always equals what the proposer sent. Messages are
+typed `msgspec` structs (as vLLM's own engine-core IPC), tagged so that one decoder per direction accepts
+exactly the message types of that direction and rejects anything else. NumPy arrays (the proposal
+probabilities) travel as raw frames after the msgpack header, described there by dtype and shape, so they
+are neither pickled nor copied into the header. Every receive checks the message size and frame count
+before decoding; `check_response` then checks a reply against the request it answers. No vLLM import here:
+the drafter side must run without vLLM.
 """
 from __future__ import annotations
 
-import dataclasses
+import glob
+import math
 import os
-import pickle
+import re
+import shutil
 import tempfile
-import uuid
+from typing import Annotated, Any, Union
 
+import msgspec
 import numpy as np
 import zmq
 
 #: vLLM treats temperatures below this as greedy (vllm.sampling_params._SAMPLING_EPS).
 GREEDY_EPS = 1e-5
-SEND_TIMEOUT_MS = 2000
+#: Hard per-frame limit of the socket (ZMQ_MAXMSGSIZE): a peer sending a bigger frame is disconnected.
+MAX_FRAME_BYTES = 4 << 30
+#: Default per-message limit (all frames) where the receiver knows no tighter bound.
+DEFAULT_MAX_BYTES = 1 << 30
+#: Limit of the control messages (Ready, Failed) and of a reply's header beyond its per-row allowance.
+CONTROL_MAX_BYTES = 1 << 20
+#: Dtypes an array frame may carry.
+ARRAY_DTYPES = ("float32",)
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+Token = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+ReqId = Annotated[str, msgspec.Meta(max_length=4096)]
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingSpec:
+class MessageRejected(Exception):
+    """A received message that is not a well-formed message of this direction; `reason` is a short label."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+# ---- the messages -----------------------------------------------------------------------------------------
+class SamplingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The per-request sampling parameters the draft proposal honours."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
     top_k: int = 0  # <= 0: disabled
     seed: int | None = None
 
@@ -35,36 +61,34 @@ class SamplingSpec:
         return self.temperature < GREEDY_EPS
 
 
-@dataclasses.dataclass
-class RowUpdate:
+class RowUpdate(msgspec.Struct, forbid_unknown_fields=True):
     """One request of a step: the committed tokens appended since the last message, and how many drafts."""
 
-    req_id: str
-    start: int  # position of new_tokens[0] in the request's context
-    new_tokens: list[int]
-    num_drafts: int
+    req_id: ReqId
+    start: NonNegInt  # position of new_tokens[0] in the request's context
+    new_tokens: list[Token]
+    num_drafts: Annotated[int, msgspec.Meta(ge=0, le=64)]
     sampling: SamplingSpec | None = None  # set when the drafter sees the request for the first time
 
 
-@dataclasses.dataclass
-class StepRequest:
+class StepRequest(msgspec.Struct, tag="step", forbid_unknown_fields=True):
     step: int
     rows: list[RowUpdate]
-    finished: list[str]
+    finished: list[ReqId]
     #: `time.monotonic()` when the proposer sent the request (0: unknown). Linux's monotonic clock is shared
     #: by all processes, so the drafter measures the verification time and its own lateness with it.
     sent_at: float = 0.0
 
 
-@dataclasses.dataclass
-class StepResponse:
+class StepResponse(msgspec.Struct, tag="reply", forbid_unknown_fields=True):
     step: int
     drafts: list[list[int]]
-    #: row index -> float32 [num_drafts, vocab] proposal probabilities, for sampled rows only.
+    #: row index -> float32 [len(drafts[row]), vocab] proposal probabilities, for sampled rows only.
+    #: On the receiving side the arrays are views of the received frames.
     probs: dict[int, np.ndarray]
     compute_s: float
     #: requests whose context the drafter does not hold (lost state): resend them from position 0.
-    resync: list[str] = dataclasses.field(default_factory=list)
+    resync: list[str] = []
     error: str | None = None
     live_requests: int = 0  # requests the drafter holds state for, after this step
     free_blocks: int = 0  # free blocks of the drafter's KV cache, after this step
@@ -72,65 +96,230 @@ class StepResponse:
     #: `mode: sync` drafted, in `mode: async` hit (from the speculation cache), jit or ngram (a miss and its
     #: backup), new (no round to look up: a new or resent request); and, async only, the accepted count a
     #: of the outcome looked up (-1: none derivable).
-    row_status: list[str] = dataclasses.field(default_factory=list)
-    row_depth: list[int] = dataclasses.field(default_factory=list)
+    row_status: list[str] = []
+    row_depth: list[int] = []
     #: `mode: async` only: `ssd_drafter.SSDStats` of this step, as a dict.
-    ssd: dict | None = None
+    ssd: dict[str, Union[bool, int, float, str]] | None = None
 
 
-@dataclasses.dataclass
-class Ready:
+class Ready(msgspec.Struct, tag="ready", forbid_unknown_fields=True):
     pid: int
-    info: dict
+    info: dict[str, Any]
 
 
-@dataclasses.dataclass
-class Failed:
+class Failed(msgspec.Struct, tag="failed", forbid_unknown_fields=True):
     error: str
 
 
-@dataclasses.dataclass
-class Shutdown:
+class Shutdown(msgspec.Struct, tag="shutdown", forbid_unknown_fields=True):
     pass
 
 
+#: What the drafter may receive, and what the proposer may receive.
+ToDrafter = Union[StepRequest, Shutdown]
+ToProposer = Union[StepResponse, Ready, Failed]
+
+
+class _ArrayRef(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Header placeholder of an array: which raw frame holds it, its dtype and shape."""
+
+    frame: NonNegInt
+    dtype: str
+    shape: list[NonNegInt]
+
+
+# ---- encoding -----------------------------------------------------------------------------------------------
+class _Codec:
+    """msgpack header + raw array frames. One instance per socket (not thread-safe)."""
+
+    def __init__(self, accepts: Any):
+        self._frames: list = []
+        self._used: set[int] = set()
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self._decoder = msgspec.msgpack.Decoder(accepts, dec_hook=self._dec_hook)
+
+    def encode(self, msg) -> list:
+        self._frames = [b""]
+        try:
+            self._frames[0] = self._encoder.encode(msg)
+            return self._frames
+        finally:
+            self._frames = []
+
+    def _enc_hook(self, obj):
+        if isinstance(obj, np.ndarray):
+            arr = np.ascontiguousarray(obj)
+            self._frames.append(arr.data if arr.size else b"")
+            return _ArrayRef(len(self._frames) - 1, str(arr.dtype), list(arr.shape))
+        raise NotImplementedError(f"cannot send a {type(obj).__name__}")
+
+    def decode(self, frames: list):
+        self._frames, self._used = frames, set()
+        try:
+            msg = self._decoder.decode(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0])
+        except MessageRejected:
+            raise
+        except (msgspec.ValidationError, msgspec.DecodeError) as err:
+            raise MessageRejected("malformed", str(err)) from None
+        finally:
+            self._frames = []
+        if len(self._used) != len(frames) - 1:
+            raise MessageRejected("frames", f"{len(frames) - 1} raw frames, {len(self._used)} referenced")
+        return msg
+
+    def _dec_hook(self, typ, obj):
+        if typ is not np.ndarray:
+            raise TypeError(f"unsupported type {typ}")
+        try:
+            ref = msgspec.convert(obj, _ArrayRef)
+        except msgspec.ValidationError as err:
+            raise MessageRejected("malformed", f"array reference: {err}") from None
+        if ref.dtype not in ARRAY_DTYPES:
+            raise MessageRejected("dtype", f"array dtype {ref.dtype!r}, allowed {ARRAY_DTYPES}")
+        if not 1 <= ref.frame < len(self._frames) or ref.frame in self._used:
+            raise MessageRejected("frames", f"array frame {ref.frame} missing or used twice")
+        self._used.add(ref.frame)
+        frame = self._frames[ref.frame]
+        buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+        dtype = np.dtype(ref.dtype)
+        if math.prod(ref.shape) * dtype.itemsize != buf.nbytes:
+            raise MessageRejected("shape", f"array shape {ref.shape} does not match its {buf.nbytes} bytes")
+        return np.frombuffer(buf, dtype=dtype).reshape(ref.shape)
+
+
+# ---- checks of a reply against its request ------------------------------------------------------------------
+def reply_size_limit(req: StepRequest, vocab_size: int) -> tuple[int, int]:
+    """(max bytes, max frames) of a legitimate reply to `req`: a header allowance per row and token, plus
+    a float32 [num_drafts, vocab] array per row."""
+    header = CONTROL_MAX_BYTES + sum(1024 + 2 * len(r.req_id) + 16 * r.num_drafts for r in req.rows)
+    arrays = sum(r.num_drafts for r in req.rows) * vocab_size * 4
+    return header + arrays, 1 + len(req.rows)
+
+
+def check_response(req: StepRequest, resp: StepResponse, vocab_size: int) -> str | None:
+    """None if `resp` is a usable answer to `req`, else the reason (a short label and what was wrong).
+
+    Checks the step id, the row count, each draft's length (at most its row's `num_drafts`) and token ids
+    (in [0, vocab)), the probability arrays (valid row, float32 [len(draft), vocab], values in [0, 1], the
+    drafted token's probability > 0), the per-row status lists and that resynced ids were rows of `req`."""
+    if resp.step != req.step:
+        return f"step_id: reply to step {resp.step}, expected {req.step}"
+    n = len(req.rows)
+    if len(resp.drafts) != n:
+        return f"rows: {len(resp.drafts)} draft rows for {n} rows sent"
+    for j, (row, draft) in enumerate(zip(req.rows, resp.drafts)):
+        if len(draft) > row.num_drafts:
+            return f"draft_length: row {j} has {len(draft)} drafts, asked for {row.num_drafts}"
+        for tok in draft:
+            if not 0 <= tok < vocab_size:
+                return f"token_id: row {j} has token {tok}, vocabulary is {vocab_size}"
+    for j, q in resp.probs.items():
+        if not 0 <= j < n:
+            return f"probs_row: probabilities for row {j} of {n}"
+        want = (len(resp.drafts[j]), vocab_size)
+        if q.dtype != np.float32 or q.shape != want:
+            return f"probs_shape: row {j} has {q.dtype} {list(q.shape)}, expected float32 {list(want)}"
+        if q.size and not (q.min() >= 0.0 and q.max() <= 1.0):  # also false for NaN
+            return f"probs_value: row {j} has probabilities outside [0, 1] or not finite"
+        if q.size and not (q[np.arange(want[0]), resp.drafts[j]] > 0).all():
+            return f"probs_value: row {j} drafted a token its probabilities give 0"
+    for name in ("row_status", "row_depth"):
+        if len(getattr(resp, name)) not in (0, n):
+            return f"{name}: {len(getattr(resp, name))} entries for {n} rows"
+    sent = {r.req_id for r in req.rows}
+    if any(rid not in sent for rid in resp.resync):
+        return "resync: a resynced request was not in the step"
+    return None
+
+
+# ---- endpoint and socket ------------------------------------------------------------------------------------
+_DIR_RE = re.compile(r"^saguaro-(\d+)-")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_dirs(tmp: str | None = None) -> list[str]:
+    """Remove this user's `saguaro-<pid>-*` socket directories whose owner process is gone (left behind
+    when both the worker and its drafter were SIGKILLed). Returns the removed paths."""
+    removed = []
+    for path in glob.glob(os.path.join(tmp or tempfile.gettempdir(), "saguaro-*")):
+        m = _DIR_RE.match(os.path.basename(path))
+        try:
+            if m is None or os.stat(path).st_uid != os.getuid() or _pid_alive(int(m.group(1))):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def new_endpoint() -> str:
-    """A fresh local IPC endpoint in a private temp dir."""
-    base = tempfile.mkdtemp(prefix="saguaro-")
+    """A fresh local IPC endpoint in a private (0700) temp dir named after this process."""
+    sweep_stale_dirs()
+    base = tempfile.mkdtemp(prefix=f"saguaro-{os.getpid()}-")
     os.chmod(base, 0o700)
-    return f"ipc://{base}/drafter-{uuid.uuid4().hex[:8]}.sock"
+    return f"ipc://{base}/drafter.sock"
 
 
 def endpoint_path(endpoint: str) -> str:
     return endpoint.removeprefix("ipc://")
 
 
-class Channel:
-    """A PAIR socket with pickled messages and receive time-outs."""
+def endpoint_dir(endpoint: str) -> str:
+    return os.path.dirname(endpoint_path(endpoint))
 
-    def __init__(self, endpoint: str, bind: bool):
+
+class Channel:
+    """A PAIR socket carrying typed messages. Sends never block; receives are size-checked and typed.
+
+    `accepts` is the union of message types this end may receive (`ToDrafter` or `ToProposer`)."""
+
+    def __init__(self, endpoint: str, bind: bool, accepts: Any, max_bytes: int = DEFAULT_MAX_BYTES):
         if not endpoint.startswith("ipc://"):
             raise ValueError(f"drafter endpoint must be local ipc://, got {endpoint!r}")
+        self.max_bytes = max_bytes
+        self.codec = _Codec(accepts)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
-        # PAIR sockets block on send while no peer is connected: never let a dead peer hang us.
-        self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         (self.sock.bind if bind else self.sock.connect)(endpoint)
 
-    def send(self, msg) -> bool:
-        """Send `msg`; False if the peer could not take it within SEND_TIMEOUT_MS."""
+    def send(self, msg, wait_s: float = 0.0) -> bool:
+        """Queue `msg` for the peer; False if no peer is connected (or its queue is full) within `wait_s`
+        (default: do not wait)."""
+        if wait_s > 0 and not self.sock.poll(int(wait_s * 1000), zmq.POLLOUT):
+            return False
         try:
-            self.sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+            self.sock.send_multipart(self.codec.encode(msg), copy=False, flags=zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False
 
-    def recv(self, timeout_s: float | None = None):
-        """The next message, or None if none arrives within `timeout_s` (None: wait forever)."""
-        if timeout_s is not None and not self.sock.poll(int(timeout_s * 1000)):
+    def recv(self, timeout_s: float | None = None, max_bytes: int | None = None, max_frames: int | None = None):
+        """The next message, or None if none arrives within `timeout_s` (None: wait forever).
+
+        Raises MessageRejected (the message is consumed) if it exceeds `max_bytes` (default: the channel's)
+        or `max_frames`, or is not a well-formed message of an accepted type."""
+        if timeout_s is not None and not self.sock.poll(max(0, int(timeout_s * 1000))):
             return None
-        return pickle.loads(self.sock.recv(copy=False))
+        frames = self.sock.recv_multipart(copy=False)
+        limit = self.max_bytes if max_bytes is None else max_bytes
+        size = sum(f.buffer.nbytes for f in frames)
+        if size > limit:
+            raise MessageRejected("oversized", f"{size} bytes, limit {limit}")
+        if max_frames is not None and len(frames) > max_frames:
+            raise MessageRejected("frames", f"{len(frames)} frames, limit {max_frames}")
+        return self.codec.decode(frames)
 
     def close(self) -> None:
         self.sock.close(linger=0)

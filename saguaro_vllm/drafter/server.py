@@ -1,26 +1,46 @@
 """The drafter process: loads the draft model on its own device/cores and answers drafting steps.
 
-Started by the proposer as `python -m saguaro_vllm.drafter.server --endpoint ipc://... --config JSON
---parent-pid PID`. It exits when told to, when its socket closes, or when its parent process is gone, so it
-never outlives the vLLM worker. No vLLM import: this runs (and is tested) where vLLM is not installed.
+Started by the proposer as `python -m saguaro_vllm.drafter.server --bootstrap DIR/bootstrap.json`: the
+resolved config, the endpoint and the parent's pid come in that 0600 file inside the private 0700 socket
+directory (never on the command line, which every local user can read); the drafter deletes it once read.
+It exits when told to, on SIGTERM, or when its parent process dies (Linux `PR_SET_PDEATHSIG`, plus a poll
+of the parent while idle), so it never outlives the vLLM worker; on the way out it removes its socket
+directory. No vLLM import: this runs (and is tested) where vLLM is not installed.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
+import shutil
+import signal
 import sys
 import time
 import traceback
 
 import torch
 
-from saguaro_vllm.transport import Channel, Failed, Ready, Shutdown, StepRequest, StepResponse
+from saguaro_vllm.transport import (
+    Channel,
+    Failed,
+    MessageRejected,
+    Ready,
+    Shutdown,
+    StepRequest,
+    StepResponse,
+    ToDrafter,
+)
 
 logger = logging.getLogger("saguaro_vllm.drafter")
 PARENT_POLL_S = 1.0
+CONTROL_WAIT_S = 10.0  # Ready / Failed wait this long for the proposer's socket (connects are asynchronous)
+REPLY_WAIT_S = 2.0
 DELAY_ENV = "SAGUARO_DRAFTER_DELAY_S"
+#: Testing aid: while the file this names exists, every step raises (the drafter answers "no drafts" and
+#: asks for its rows again), as a drafter with a bug would.
+FAIL_FILE_ENV = "SAGUARO_DRAFTER_FAIL_FILE"
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -92,39 +112,100 @@ def _parent_alive(pid: int) -> bool:
     return os.getppid() == pid
 
 
+PR_SET_PDEATHSIG = 1
+#: Sent by the kernel when the parent dies. Not SIGTERM: the kernel also sends it when only the *thread*
+#: that started us exits, and then the parent process (our ppid) is still alive and we must stay.
+PARENT_DEATH_SIGNAL = signal.SIGUSR1
+
+
+class _Exit(BaseException):
+    """Raised by the signal handlers to unwind the server loop (and run its clean-up)."""
+
+
+_exiting = False  # set once clean-up began: later signals must not interrupt it
+
+
+def watch_parent(parent_pid: int) -> None:
+    """Exit as soon as the parent process dies: PR_SET_PDEATHSIG where the kernel has it (Linux)."""
+    def on_parent_signal(signum, frame):
+        if os.getppid() != parent_pid and not _exiting:  # re-parented: the parent process is gone
+            raise _Exit()
+
+    def on_term(signum, frame):
+        if not _exiting:
+            raise _Exit()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(PARENT_DEATH_SIGNAL, on_parent_signal)
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0)
+        except (OSError, AttributeError):
+            logger.warning("PR_SET_PDEATHSIG unavailable; the drafter polls its parent instead")
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        raise _Exit()
+
+
+def _reply_error(drafter, msg: StepRequest, err: Exception, first: bool) -> StepResponse:
+    """A failing step must not take the drafter down: free its rows and ask for them to be resent. The first
+    failure of a run of them is logged with its traceback, the others only answered."""
+    if first:
+        logger.exception("drafter step failed; failing steps are not logged again until one succeeds")
+    for row in msg.rows:
+        drafter.free(row.req_id)
+    return StepResponse(msg.step, [[] for _ in msg.rows], {}, 0.0, resync=[r.req_id for r in msg.rows],
+                        error=f"{type(err).__name__}: {err}")
+
+
 def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
-    chan = Channel(endpoint, bind=False)
+    chan = Channel(endpoint, bind=False, accepts=ToDrafter)
     try:
-        place_process(cfg)
-        drafter, info = build_drafter(cfg)
-    except Exception as err:  # report, don't hang the proposer
-        chan.send(Failed(f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
-        time.sleep(0.5)
-        return 1
-    info.update(threads=torch.get_num_threads(), cores=sorted(os.sched_getaffinity(0)))
-    chan.send(Ready(os.getpid(), info))
-    while True:
-        busy = drafter.busy
-        msg = chan.recv(timeout_s=0 if busy else PARENT_POLL_S)
-        if msg is None:
-            if busy:
-                _advance(drafter)
-            elif not _parent_alive(parent_pid):
-                return 0
-            continue
-        if isinstance(msg, Shutdown):
-            return 0
-        if isinstance(msg, StepRequest):
+        try:
+            place_process(cfg)
+            drafter, info = build_drafter(cfg)
+        except Exception as err:  # report, don't hang the proposer
+            chan.send(Failed(f"{type(err).__name__}: {err}\n{traceback.format_exc()}"[:65536]), wait_s=CONTROL_WAIT_S)
+            time.sleep(0.5)
+            return 1
+        info.update(threads=torch.get_num_threads(), cores=sorted(os.sched_getaffinity(0)))
+        chan.send(Ready(os.getpid(), info), wait_s=CONTROL_WAIT_S)
+        rejected: set[str] = set()
+        fail_file = os.environ.get(FAIL_FILE_ENV)
+        failing = 0  # consecutive failed steps
+        while True:
+            busy = drafter.busy
             try:
+                msg = chan.recv(timeout_s=0 if busy else PARENT_POLL_S)
+            except MessageRejected as err:  # cannot happen with our proposer: say so once per kind
+                if err.reason not in rejected:
+                    rejected.add(err.reason)
+                    logger.error("drafter: rejected a malformed request (%s); further ones are dropped "
+                                 "silently", err)
+                continue
+            if msg is None:
+                if busy:
+                    _advance(drafter)
+                elif not _parent_alive(parent_pid):
+                    return 0
+                continue
+            if isinstance(msg, Shutdown):
+                return 0
+            try:
+                if fail_file and os.path.exists(fail_file):
+                    raise RuntimeError(f"injected failure ({FAIL_FILE_ENV}={fail_file})")
                 resp = drafter.step(msg)
-            except Exception as err:  # a failing step must not take the drafter down
-                logger.exception("drafter step failed")
-                for row in msg.rows:
-                    drafter.free(row.req_id)
-                resp = StepResponse(msg.step, [[] for _ in msg.rows], {}, 0.0,
-                                    resync=[r.req_id for r in msg.rows], error=f"{type(err).__name__}: {err}")
-            chan.send(resp)
+            except Exception as err:
+                resp = _reply_error(drafter, msg, err, first=not failing)
+                failing += 1
+            else:
+                if failing:
+                    logger.info("drafter steps succeed again after %d failed ones", failing)
+                failing = 0
+            chan.send(resp, wait_s=REPLY_WAIT_S)
             drafter.answered()
+    finally:
+        chan.close()
 
 
 def _advance(drafter) -> None:
@@ -135,14 +216,30 @@ def _advance(drafter) -> None:
         logger.exception("pre-drafting failed; this round's outcomes will miss")
 
 
+def read_bootstrap(path: str) -> dict:
+    """The private start-up message (endpoint, parent pid, resolved config); deleted once read."""
+    with open(path) as f:
+        boot = json.load(f)
+    os.unlink(path)
+    return boot
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _exiting
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--endpoint", required=True)
-    parser.add_argument("--config", required=True, help="resolved Saguaro config as JSON")
-    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--bootstrap", required=True, help="0600 JSON file with endpoint, parent_pid, config")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="(saguaro-drafter pid=%(process)d) %(levelname)s %(message)s")
-    return serve(args.endpoint, json.loads(args.config), args.parent_pid)
+    socket_dir = os.path.dirname(os.path.abspath(args.bootstrap))
+    try:
+        boot = read_bootstrap(args.bootstrap)
+        watch_parent(int(boot["parent_pid"]))
+        return serve(boot["endpoint"], boot["config"], int(boot["parent_pid"]))
+    except _Exit:
+        return 0
+    finally:
+        _exiting = True
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
