@@ -198,12 +198,12 @@ class SaguaroMetrics:
             self.topups += int(ssd["topups"])
             if prom:
                 prom["topups"].inc(int(ssd["topups"]))
+        if ssd.get("cut_short"):
+            self.cut_short += 1
+            if prom:
+                prom["cut_short"].inc()
         if ssd.get("budget"):
             self.budget = int(ssd["budget"])
-            if not ssd.get("predraft_done"):
-                self.cut_short += 1
-                if prom:
-                    prom["cut_short"].inc()
             self.predraft_rounds += 1
             self.predraft_done += int(bool(ssd.get("predraft_done")))
             self.predraft_s += float(ssd.get("predraft_s", 0.0))

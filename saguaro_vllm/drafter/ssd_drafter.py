@@ -91,6 +91,7 @@ class SSDStats:
     alpha: float = 0.0  # acceptance estimate of neural drafts
     dropped: int = 0  # candidates of that pre-draft left out for lack of KV blocks
     topups: int = 0  # hits on branches cut short, completed on the critical path in this step
+    cut_short: bool = False  # a pre-draft was still running when this step's request came, and was stopped
 
 
 def _ranked(scores: torch.Tensor, drafts) -> list[list[int]]:
@@ -201,6 +202,7 @@ class SSDDrafter(SyncDrafter):
         if self.opts.get("finish_predraft"):
             while self._work is not None:
                 self.advance()
+        stats.cut_short = self._work is not None
         self._stop_predraft()
         stats.branches = len(self.cache)
         self._begin_step(req)
