@@ -19,6 +19,7 @@ from saguaro_vllm.config import ADDITIONAL_CONFIG_KEY
 from saguaro_vllm.drafter_client import DrafterClient, DrafterUnavailable
 from saguaro_vllm.drafter_policy import ResyncBackoff
 from saguaro_vllm.metrics import SaguaroMetrics
+from saguaro_vllm.proposal_buffers import ProposalRing, assemble, draft_positions
 from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
 
 
@@ -49,6 +50,8 @@ class SaguaroProposer:
         self.finished: list[str] = []
         self.step_id = 0
         self._last_probs: torch.Tensor | None = None
+        self._last_prob_req_ids: list[str] | None = None  # the request of each row of `_last_probs`
+        self.ring: ProposalRing | None = None
         self._generation = 0
         self.resync_backoff = ResyncBackoff()  # counted in `propose` calls with a ready drafter
         self._calls = 0
@@ -57,6 +60,9 @@ class SaguaroProposer:
         if self.cfg.get("target_cores"):
             self._pin_target(self.cfg["target_cores"])
         if self._is_output_rank():
+            # Sampled rows' q comes through shared memory, not the socket (proposal_buffers.py).
+            self.ring = ProposalRing.create(rows=_max_rows(vllm_config), k=self.k, vocab=self.vocab_size)
+            self.cfg["proposal_ring"] = self.ring.spec()
             self.client = DrafterClient(self.cfg, self.logger, metrics=self.metrics, vocab_size=self.vocab_size)
 
     def _pin_target(self, cores: list[int]) -> None:
@@ -93,14 +99,22 @@ class SaguaroProposer:
                 self.finished.append(rid)
 
     def take_last_draft_probs(self) -> torch.Tensor | None:
+        """[rows, K, vocab] q for the rejection sampler; row r belongs to `take_last_draft_prob_req_ids()[r]`.
+        On CPU a view of a proposal-ring slot, valid until the next `propose` (vLLM reads it before)."""
         probs, self._last_probs = self._last_probs, None
         return probs
+
+    def take_last_draft_prob_req_ids(self) -> list[str] | None:
+        ids, self._last_prob_req_ids = self._last_prob_req_ids, None
+        return ids
 
     # ---- the step ------------------------------------------------------------------------------------
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None, **_: Any) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        self._last_probs = None
+        self._last_probs = self._last_prob_req_ids = None
+        if self.ring is not None and len(sampled_token_ids):  # vLLM consumed the last q in this step's sampling
+            self.ring.release_held()
         if self.client is None or self.runner is None:
             return drafts
         ready = self.client.poll()  # never waits: a drafter that is (re)starting means no drafts now
@@ -161,8 +175,8 @@ class SaguaroProposer:
             self.resync_backoff.on_resync(rid, self._calls)
         for j, i in enumerate(row_index):
             drafts[i] = resp.drafts[j][: self.k]
-        if resp.probs:
-            self._last_probs = self._dense_probs(drafts, row_index, resp.probs)
+        if resp.probs_slot >= 0:
+            self._take_probs(resp, drafts, row_index, req_ids)
         self.metrics.on_step(time.perf_counter() - t0, resp.compute_s, len(rows),
                              sum(len(d) for d in drafts), resp.live_requests, resp.free_blocks,
                              resp.row_status, resp.row_depth, resp.ssd)
@@ -178,16 +192,43 @@ class SaguaroProposer:
         self.resync_backoff.clear()
         return True
 
-    def _dense_probs(self, drafts: list[list[int]], row_index: list[int],
-                     probs: dict[int, np.ndarray]) -> torch.Tensor:
-        """[rows, K, vocab] proposal probabilities for the rejection sampler: the drafter's q for sampled
-        rows, one-hot for deterministically chosen drafts (exact for any deterministic choice)."""
-        dense = torch.zeros(len(drafts), self.k, self.vocab_size, dtype=torch.float32)
-        for i, toks in enumerate(drafts):
-            for pos, tok in enumerate(toks):
-                dense[i, pos, tok] = 1.0
-        for j, q in probs.items():
-            i = row_index[j]
-            n = len(drafts[i])
-            dense[i, :n] = torch.from_numpy(q[:n, : self.vocab_size])
-        return dense.to(self.runner.device)
+    def _take_probs(self, resp: Any, drafts: list[list[int]], row_index: list[int], req_ids: list[str]) -> None:
+        """The rejection sampler's q for this step from the slot the drafter wrote (no copy on CPU, one
+        contiguous copy to other devices); one-hot rows for greedy drafts of the same batch. A slot that is
+        not held with this answer, or a drafted token its q gives 0, drops the sampled rows' drafts instead
+        (exact: they are decoded without speculation this step)."""
+        row_drafts = [drafts[i] for i in row_index]
+        slot, rows = resp.probs_slot, resp.probs_rows
+        ok = self.ring.held(slot, resp.step)
+        if ok:
+            buf = self.ring.slot(slot)
+            ok = bool((buf[draft_positions([row_drafts[j] for j in rows])] > 0).all())
+        if not ok:
+            self.logger.warning("Saguaro: proposal probabilities of step %d unusable (slot %d not held, or a "
+                                "draft without probability); its sampled rows get no drafts", resp.step, slot)
+            for j in rows:
+                drafts[row_index[j]] = []
+            return
+        probs, answer_rows = assemble(buf, rows, row_drafts, self.k)
+        if probs.device != self.runner.device:
+            probs = probs.to(self.runner.device)
+        self._last_probs = probs
+        self._last_prob_req_ids = [req_ids[row_index[j]] for j in answer_rows]
+
+    def _one_hot_probs(self, drafts: list[list[int]]) -> torch.Tensor | None:
+        """One-hot q for every row with drafts (what vLLM assumes without probabilities), in a fresh tensor;
+        sets the request ids like `_take_probs`. For tests that need a dense tensor of a greedy step."""
+        rows = [i for i, d in enumerate(drafts) if d]
+        if not rows:
+            return None
+        buf = torch.empty(len(rows), self.k, self.vocab_size, dtype=torch.float32)
+        probs, answer_rows = assemble(buf, [], [drafts[i] for i in rows], self.k)
+        self._last_prob_req_ids = [self.runner.input_batch.req_ids[rows[j]] for j in answer_rows]
+        return probs.to(self.runner.device)
+
+
+def _max_rows(vllm_config: Any) -> int:
+    """Rows a step can have: the scheduler's `max_num_seqs` (vLLM's default, 256, for configs without a
+    scheduler section, e.g. reduced test configs)."""
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    return int(getattr(scheduler, "max_num_seqs", None) or 256)

@@ -100,6 +100,10 @@ class StepResponse(msgspec.Struct, tag="reply", forbid_unknown_fields=True):
     row_depth: list[int] = []
     #: `mode: async` only: `ssd_drafter.SSDStats` of this step, as a dict.
     ssd: dict[str, Union[bool, int, float, str]] | None = None
+    #: The proposal-ring slot (saguaro_vllm/proposal_buffers.py) holding the sampled rows' q (-1: none), and
+    #: for each of its rows, in order, the row of `drafts` it belongs to (q for all of that row's drafts).
+    probs_slot: int = -1
+    probs_rows: list[NonNegInt] = []
 
 
 class Ready(msgspec.Struct, tag="ready", forbid_unknown_fields=True):
@@ -223,6 +227,13 @@ def check_response(req: StepRequest, resp: StepResponse, vocab_size: int) -> str
             return f"probs_value: row {j} has probabilities outside [0, 1] or not finite"
         if q.size and not (q[np.arange(want[0]), resp.drafts[j]] > 0).all():
             return f"probs_value: row {j} drafted a token its probabilities give 0"
+    if resp.probs_rows and resp.probs_slot < 0:
+        return "probs_slot: rows with probabilities but no slot"
+    if len(set(resp.probs_rows)) != len(resp.probs_rows):
+        return "probs_rows: a row appears twice"
+    for j in resp.probs_rows:
+        if not 0 <= j < n or not resp.drafts[j] or j in resp.probs:
+            return f"probs_rows: row {j} is not a row of {n} with drafts (and without inline probabilities)"
     for name in ("row_status", "row_depth"):
         if len(getattr(resp, name)) not in (0, n):
             return f"{name}: {len(getattr(resp, name))} entries for {n} rows"

@@ -29,7 +29,7 @@ class UniformBackupProbsProposer(SaguaroProposer):
         if not rows:
             return probs
         if probs is None:
-            probs = self._dense_probs(self._drafts, [], {})
+            probs = self._one_hot_probs(self._drafts)
         probs = probs.clone()
         one_hot = (probs.max(dim=-1).values == 1.0)  # deterministic drafts (and padding)
         probs[one_hot] = 1.0 / probs.shape[-1]

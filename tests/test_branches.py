@@ -23,6 +23,7 @@ from saguaro_vllm.drafter.predictor import select_candidates
 from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.sampling import proposal_probs, sample_from
 from saguaro_vllm.drafter.sync_drafter import SyncDrafter
+from saguaro_vllm.proposal_buffers import ProposalRing
 from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
 
 K = 4
@@ -68,8 +69,9 @@ def chain(model, tokens: list[int], steps: int, forced: list[int] | None = None)
 
 def drafted_roots(model, runner, spec: SamplingSpec):
     """SyncDrafter drafts K tokens per request and keeps the logits; returns (drafter, roots, contexts)."""
-    drafter = SyncDrafter(runner, vocab_size=model.config.vocab_size, keep_logits=True)
     ctx = contexts()
+    ring = ProposalRing.create(rows=len(ctx), k=K, vocab=model.config.vocab_size)  # for sampled drafts' q
+    drafter = SyncDrafter(runner, vocab_size=model.config.vocab_size, keep_logits=True, probs_ring=ring)
     rows = [RowUpdate(rid, 0, toks, K, spec) for rid, toks in ctx.items()]
     resp = drafter.step(StepRequest(1, rows, []))
     roots = [BranchRoot(rid, len(ctx[rid]), tuple(d)) for rid, d in zip(ctx, resp.drafts, strict=True)]

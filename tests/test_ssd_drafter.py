@@ -17,7 +17,7 @@ from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.ssd_drafter import SSDDrafter
 from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
 
-from test_sync_drafter import greedy_continuation
+from test_sync_drafter import greedy_continuation, make_ring, ring_probs
 
 K = 4
 
@@ -29,7 +29,9 @@ def draft_model(tiny_pair):
 
 def make_drafter(model, num_blocks=256, **options) -> SSDDrafter:
     runner = DraftModelRunner(model, KVCacheConfig(num_blocks=num_blocks, block_size=16))
-    return SSDDrafter(runner, vocab_size=model.config.vocab_size, options={"backup": "jit", **options})
+    drafter = SSDDrafter(runner, vocab_size=model.config.vocab_size, options={"backup": "jit", **options})
+    drafter.probs_ring = make_ring(model)
+    return drafter
 
 
 def draft_logits(model, context: list[int]) -> torch.Tensor:
@@ -72,7 +74,7 @@ def run_rounds(model, drafter, rng, rounds=10, advance=lambda rng: 100, contexts
         drafter.answered()
         for _ in range(advance(rng)):
             drafter.advance()
-        assert resp.resync == [] and not resp.probs
+        assert resp.resync == [] and resp.probs_slot == -1 and not resp.probs_rows
         statuses += resp.row_status
         ssd_stats.append(resp.ssd)
         for row, drafts, status in zip(rows, resp.drafts, resp.row_status):
@@ -154,7 +156,7 @@ def test_sampled_rows_carry_their_proposal(draft_model):
     for _ in range(10):
         drafter.advance()
     drafts = resp.drafts[0]
-    q = resp.probs[0]
+    q = ring_probs(drafter, resp)[0]
     assert q.shape[0] == len(drafts) == K
     assert np.allclose(q.sum(-1), 1.0, atol=1e-5) and all(q[j, t] > 0 for j, t in enumerate(drafts))
     # An all-accepted outcome whose bonus is the top candidate at depth K is a hit with probabilities.
@@ -162,7 +164,7 @@ def test_sampled_rows_carry_their_proposal(draft_model):
     depth_k = [t for j, t in keys if j == K]
     assert depth_k
     resp = drafter.step(StepRequest(2, [RowUpdate("s", len(ctx), drafts + [depth_k[0]], K)], []))
-    assert resp.row_status == ["hit"] and resp.probs[0].shape[0] == K and resp.row_depth == [K]
+    assert resp.row_status == ["hit"] and ring_probs(drafter, resp)[0].shape[0] == K and resp.row_depth == [K]
 
 
 def test_fixed_fanout_applies_to_ngram_rounds_and_short_drafts(draft_model):

@@ -15,6 +15,7 @@ from saguaro_vllm.drafter.kv_cache import KVCacheConfig
 from saguaro_vllm.drafter.model.loader import load_draft_model
 from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.sync_drafter import SyncDrafter
+from saguaro_vllm.proposal_buffers import ProposalRing
 from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
 
 K = 4
@@ -27,7 +28,24 @@ def draft_model(tiny_pair):
 
 def make_drafter(model, num_blocks=64) -> SyncDrafter:
     runner = DraftModelRunner(model, KVCacheConfig(num_blocks=num_blocks, block_size=16))
-    return SyncDrafter(runner, vocab_size=model.config.vocab_size)
+    return SyncDrafter(runner, vocab_size=model.config.vocab_size, probs_ring=make_ring(model))
+
+
+def make_ring(model, rows: int = 8) -> ProposalRing:
+    """The proposal ring the proposer would share with the drafter (removed when garbage collected)."""
+    return ProposalRing.create(rows=rows, k=K, vocab=model.config.vocab_size)
+
+
+def ring_probs(drafter, resp) -> dict[int, np.ndarray]:
+    """answer row -> its q [len(drafts), vocab] from the slot the answer names; gives the slot back (as the
+    proposer's next step does)."""
+    if resp.probs_slot < 0:
+        return {}
+    assert drafter.probs_ring.held(resp.probs_slot, resp.step)
+    buf = drafter.probs_ring.slot(resp.probs_slot)
+    out = {j: buf[r, : len(resp.drafts[j])].numpy().copy() for r, j in enumerate(resp.probs_rows)}
+    drafter.probs_ring.release_held()
+    return out
 
 
 def greedy_continuation(model, context: list[int], k: int) -> list[int]:
@@ -56,7 +74,7 @@ def test_drafts_follow_any_outcome(draft_model):
             sent[rid] = len(ctx)
         step += 1
         resp = drafter.step(StepRequest(step, rows, []))
-        assert resp.resync == [] and not resp.probs
+        assert resp.resync == [] and resp.probs_slot == -1 and not resp.probs_rows
         for row, drafts in zip(rows, resp.drafts):
             assert len(drafts) == K
             assert drafts == greedy_continuation(draft_model, contexts[row.req_id], K)
@@ -83,8 +101,9 @@ def test_sampled_rows_return_their_exact_proposal(draft_model):
     spec = SamplingSpec(temperature=0.8, top_p=0.9, top_k=20, seed=7)
     resp = drafter.step(StepRequest(1, [RowUpdate("s", 0, [5, 6, 7], K, spec),
                                         RowUpdate("g", 0, [5, 6, 7], K, SamplingSpec())], []))
-    q = resp.probs[0]
-    assert set(resp.probs) == {0} and q.shape == (K, draft_model.config.vocab_size)
+    probs = ring_probs(drafter, resp)
+    q = probs[0]
+    assert set(probs) == {0} and q.shape == (K, draft_model.config.vocab_size)
     np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-5)
     assert ((q > 0).sum(-1) <= 20).all()
     for pos, tok in enumerate(resp.drafts[0]):

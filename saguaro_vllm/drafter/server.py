@@ -22,6 +22,7 @@ import traceback
 
 import torch
 
+from saguaro_vllm.proposal_buffers import ProposalRing
 from saguaro_vllm.transport import (
     Channel,
     Failed,
@@ -164,6 +165,8 @@ def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
         try:
             place_process(cfg)
             drafter, info = build_drafter(cfg)
+            if cfg.get("proposal_ring"):  # the proposer's shared buffers for sampled rows' q
+                drafter.probs_ring = ProposalRing.attach(cfg["proposal_ring"])
         except Exception as err:  # report, don't hang the proposer
             chan.send(Failed(f"{type(err).__name__}: {err}\n{traceback.format_exc()}"[:65536]), wait_s=CONTROL_WAIT_S)
             time.sleep(0.5)

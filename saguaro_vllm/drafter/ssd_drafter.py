@@ -24,7 +24,6 @@ import logging
 import time
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 
 from saguaro_vllm.drafter.backup import BackupInputs, choose_backup, ngram_drafts
@@ -44,6 +43,7 @@ from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.spec_cache import SpeculationCache
 from saguaro_vllm.drafter.sync_drafter import NO_ROOM, SyncDrafter, _ReqState
 from saguaro_vllm.ops import draw_gumbel, sample_proposal
+from saguaro_vllm.proposal_buffers import SlotWriter
 from saguaro_vllm.transport import StepRequest, StepResponse
 
 logger = logging.getLogger("saguaro_vllm.drafter")
@@ -209,7 +209,7 @@ class SSDDrafter(SyncDrafter):
 
         n = len(req.rows)
         drafts: list[list[int]] = [[] for _ in range(n)]
-        probs: dict[int, list[np.ndarray]] = {}
+        probs: dict[int, list[torch.Tensor]] = {}  # row -> q of each of its sampled drafts ([vocab] each)
         status = [NONE] * n
         depth = [-1] * n
         resync: list[str] = []
@@ -250,7 +250,7 @@ class SSDDrafter(SyncDrafter):
                 if self.runner.num_computed(row.req_id) > len(st.context) + len(st.drafted):
                     self.runner.truncate(row.req_id, len(st.context) + len(st.drafted))
                 if branch.prob_rows and keep:
-                    probs[i] = [p.cpu().numpy() for p in branch.prob_rows[:keep]]
+                    probs[i] = list(branch.prob_rows[:keep])
                 if keep < want[i]:
                     topups.append((i, want[i] - keep))
                 continue
@@ -282,6 +282,7 @@ class SSDDrafter(SyncDrafter):
         self._draft_now(req, drafts, probs, topups, [i for i in misses if kind == JIT], want)
         for i in self._end_step(drafts):
             status[i] = NO_ROOM
+        probs_slot, probs_rows = self._publish_probs(req, drafts, probs)
 
         roots = []
         fast_rows = set(misses) if kind == NGRAM else set()
@@ -297,10 +298,10 @@ class SSDDrafter(SyncDrafter):
         if roots:
             self._work = self._predraft_rounds(roots)
         stats.alpha = self.predictor.neural.alpha
-        out_probs = {i: np.stack(p) for i, p in probs.items() if p}
-        resp = StepResponse(req.step, drafts, out_probs, time.perf_counter() - t0, resync,
+        resp = StepResponse(req.step, drafts, {}, time.perf_counter() - t0, resync,
                             live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
-                            row_status=status, row_depth=depth, ssd=dataclasses.asdict(stats))
+                            row_status=status, row_depth=depth, ssd=dataclasses.asdict(stats),
+                            probs_slot=probs_slot, probs_rows=probs_rows)
         self._predraft = SSDStats()
         return resp
 
@@ -377,11 +378,32 @@ class SSDDrafter(SyncDrafter):
                     next_chunks.append((rid, [tok], self.runner.num_computed(rid)))
             order, chunks = self._fit(req.rows, next_order, next_chunks)
 
-    def _choose_token(self, st: _ReqState, logits: torch.Tensor, depth: int) -> tuple[int, np.ndarray | None]:
+    def _choose_token(self, st: _ReqState, logits: torch.Tensor, depth: int) -> tuple[int, torch.Tensor | None]:
         if st.sampling.greedy:
             return int(logits.argmax()), None
         toks, q = self._sample(st, logits[None], depth)
-        return int(toks[0]), q[0].cpu().numpy()
+        return int(toks[0]), q[0]
+
+    def _publish_probs(self, req: StepRequest, drafts: list[list[int]],
+                       probs: dict[int, list[torch.Tensor]]) -> tuple[int, list[int]]:
+        """Copy the sampled rows' q into a proposal-ring slot (bitwise: the q their tokens were drawn from);
+        without a free slot those rows get no drafts this step (exact, just slower)."""
+        rows = [i for i, p in probs.items() if p and drafts[i]]
+        if not rows:
+            return -1, []
+        writer = SlotWriter(self.probs_ring, req.step)
+        if not writer.available:
+            for i in rows:
+                self._no_probs_slot(req.rows[i].req_id)
+                drafts[i] = []
+            return -1, []
+        try:
+            for i in rows:
+                writer.put(i, probs[i][: len(drafts[i])])
+        except BaseException:
+            writer.abandon()
+            raise
+        return writer.finish()
 
     def _sample(self, st: _ReqState, logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Saguaro sampling: q' = the request's proposal with its top-F probabilities scaled by C."""

@@ -18,7 +18,8 @@ import torch
 from saguaro_vllm.drafter.kv_cache import OutOfBlocksError
 from saguaro_vllm.drafter.room import NoRoomLog
 from saguaro_vllm.drafter.runner import DraftModelRunner
-from saguaro_vllm.drafter.sampling import proposal_probs, sample_from
+from saguaro_vllm.drafter.sampling import proposal_probs_rows, sample_rows
+from saguaro_vllm.proposal_buffers import ProposalRing, SlotWriter
 from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest, StepResponse
 
 logger = logging.getLogger("saguaro_vllm.drafter")
@@ -40,11 +41,15 @@ class _ReqState:
 
 class SyncDrafter:
     def __init__(self, runner: DraftModelRunner, vocab_size: int, keep_logits: bool = False,
-                 max_model_len: int | None = None):
-        """`max_model_len`: contexts that reach it get no drafts (fewer near it); None: no limit."""
+                 max_model_len: int | None = None, probs_ring: ProposalRing | None = None):
+        """`max_model_len`: contexts that reach it get no drafts (fewer near it); None: no limit.
+        `probs_ring`: where sampled rows' proposal probabilities go (shared with the proposer,
+        proposal_buffers.py); without one, or with every slot held, sampled rows get no drafts (exact)."""
         self.runner = runner
         self.vocab_size = vocab_size
         self.keep_logits = keep_logits
+        self.probs_ring = probs_ring
+        self.num_no_probs_slot = 0
         self.max_model_len = max_model_len
         self.reqs: dict[str, _ReqState] = {}
         #: rows (per step) that got no drafts, or fewer, because the KV cache had no room for them
@@ -165,10 +170,17 @@ class SyncDrafter:
         return rows
 
     def step(self, req: StepRequest) -> StepResponse:
+        writer = SlotWriter(self.probs_ring, req.step)
+        try:
+            return self._draft_step(req, writer)
+        except BaseException:
+            writer.abandon()  # a failed step publishes nothing: its slot goes back to the ring
+            raise
+
+    def _draft_step(self, req: StepRequest, writer: SlotWriter) -> StepResponse:
         t0 = time.perf_counter()
         self._begin_step(req)
         drafts: list[list[int]] = [[] for _ in req.rows]
-        probs: dict[int, list[np.ndarray]] = {}
         want: dict[int, int] = {}
         active: list[int] = []
         chunks = []
@@ -183,6 +195,9 @@ class SyncDrafter:
             want[i] = self._draft_limit(row, st)
             if want[i] <= 0:
                 continue
+            if not st.sampling.greedy and not writer.available:
+                self._no_probs_slot(row.req_id)
+                continue
             if not self.runner.has_request(row.req_id):
                 self.runner.add_request(row.req_id)
             start = min(self.runner.num_computed(row.req_id), len(st.context) - 1)
@@ -196,9 +211,9 @@ class SyncDrafter:
                 break
             logits = self.runner.forward(chunks)[:, : self.vocab_size]
             next_chunks, next_active = [], []
-            for row_i, (rid, _, start), lg in zip(active, chunks, logits):
+            tokens = self._choose_rows(req, active, logits, s, writer)
+            for row_i, (rid, _, start), lg, tok in zip(active, chunks, logits, tokens):
                 st = self.reqs[req.rows[row_i].req_id]
-                tok = self._choose(st, lg, probs.setdefault(row_i, []) if not st.sampling.greedy else None)
                 drafts[row_i].append(tok)
                 if self.keep_logits:
                     st.draft_logits.append(lg)
@@ -209,18 +224,41 @@ class SyncDrafter:
             active, chunks = self._fit(req.rows, next_active, next_chunks)
         no_room = set(self._end_step(drafts))
         status = [NO_ROOM if i in no_room else DRAFTED if drafts[i] else NONE for i in range(len(req.rows))]
-        out_probs = {i: np.stack(p) for i, p in probs.items() if p}
-        return StepResponse(req.step, drafts, out_probs, time.perf_counter() - t0, resync,
+        probs_slot, probs_rows = writer.finish()
+        return StepResponse(req.step, drafts, {}, time.perf_counter() - t0, resync,
                             live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
-                            row_status=status)
+                            row_status=status, probs_slot=probs_slot, probs_rows=probs_rows)
 
-    def _choose(self, st: _ReqState, logits: torch.Tensor, probs_out: list | None) -> int:
-        if probs_out is None:
-            return int(logits.argmax())
-        q = proposal_probs(logits[None], st.sampling)[0]
-        tok = int(sample_from(q[None], st.generator)[0])
-        probs_out.append(q.cpu().numpy())
-        return tok
+    def _choose_rows(self, req: StepRequest, active: list[int], logits: torch.Tensor, pos: int,
+                     writer: SlotWriter) -> list[int]:
+        """The next draft of every active row: argmax for greedy rows; for sampled rows q is computed
+        straight into position `pos` of their slot rows (batched over rows) and the token drawn from there,
+        so the proposer receives the very floats the token was drawn from."""
+        tokens = logits.argmax(dim=-1)
+        states = [self.reqs[req.rows[i].req_id] for i in active]
+        sampled = [n for n, st in enumerate(states) if not st.sampling.greedy]
+        if not sampled:
+            return tokens.tolist()
+        slot_rows = [writer.row_of(active[n]) for n in sampled]
+        buf = writer.buffer()
+        first, last = slot_rows[0], slot_rows[-1]
+        contiguous = last - first + 1 == len(slot_rows)  # rows keep their order; only finished rows drop out
+        in_place = contiguous and buf.device == logits.device
+        q = buf[first: last + 1, pos] if in_place else torch.empty(len(sampled), logits.shape[1],
+                                                                   dtype=buf.dtype, device=logits.device)
+        lg = logits if len(sampled) == len(active) else logits[torch.tensor(sampled, device=logits.device)]
+        proposal_probs_rows(lg, [states[n].sampling for n in sampled], out=q)
+        drawn = sample_rows(q, [states[n].generator for n in sampled])
+        if not in_place:  # a bitwise copy of the q the tokens were drawn from
+            buf[torch.tensor(slot_rows), pos] = q.to(buf.device)
+        tokens[torch.tensor(sampled, device=tokens.device)] = drawn.to(tokens.device)
+        return tokens.tolist()
+
+    def _no_probs_slot(self, req_id: str) -> None:
+        self.num_no_probs_slot += 1
+        if self.num_no_probs_slot == 1:
+            logger.warning("no free proposal slot (or no proposal ring): sampled request %s gets no drafts this "
+                           "step; further occurrences are only counted", req_id)
 
     def _fit(self, rows, active, chunks, evict: bool = False, evictable: set[int] | None = None):
         """Reserve KV blocks for each chunk, smallest need first (so a full cache serves as many rows as it

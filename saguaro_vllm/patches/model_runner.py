@@ -32,9 +32,9 @@ def wrap_propose_draft_token_ids(original):
         drafter.bind_runner(self)
         draft_token_ids = original(self, *args, **kwargs)
         probs = drafter.take_last_draft_probs()
-        if probs is not None:
+        if probs is not None:  # rows in the proposer's order (sampled rows first), each with its request
             self._draft_probs = probs
-            self._draft_prob_req_ids = list(self.input_batch.req_ids)
+            self._draft_prob_req_ids = drafter.take_last_draft_prob_req_ids()
         return draft_token_ids
 
     return propose_draft_token_ids

@@ -1,0 +1,249 @@
+"""Proposal probabilities between the drafter and the proposer without serialising them: a shared ring.
+
+Sampled drafts need their exact proposal q (float32 `[K, vocab]` per row: 2.6 MB at a 128k vocabulary) in
+vLLM's rejection sampler. Instead of travelling through the socket, q is written by the drafter straight
+into a slot of a ring that both processes map (a file in a private 0700 directory, on `/dev/shm` where
+there is one), and the step answer names only the slot and which row each slot row belongs to. Modelled on
+vLLM's `shm_broadcast.ShmRingBuffer`: fixed-size slots plus a small header of per-slot flags, each flag
+moved by one side only, so no lock is needed.
+
+Slot layout: float32 `[rows, K, vocab]` (rows = the engine's `max_num_seqs`), preceded by a header of
+`slots` records `(state, seq)` (int64 each). Ownership of a slot:
+
+    FREE    --drafter: acquire(seq)-->  WRITING  --drafter: publish()-->  HELD  --proposer: release_held()--> FREE
+
+- the drafter writes only slots it moved to WRITING, and only while answering a request;
+- the proposer reads a slot only while it is HELD with the `seq` of the answer it accepted, and hands
+  vLLM a zero-copy view of it (CPU) or one contiguous copy (other devices);
+- vLLM consumes that view in the next step's sampling (`GPUModelRunner._get_spec_decode_draft_probs`
+  concatenates the rows into a new tensor) and clears it at the start of the next `propose_draft_token_ids`,
+  so the proposer releases every HELD slot at the start of its next `propose`: the slot of the last answer,
+  and any slot of an answer it dropped (a late answer to an abandoned step), so none leaks;
+- a drafter that finds no FREE slot (more than `slots - 1` late answers between two steps) gives its
+  sampled rows no drafts that step (exact: vLLM then decodes them normally) instead of overwriting.
+
+Only rows with sampled drafts occupy slot rows (compactly, from row 0); greedy rows of the same batch get
+one-hot rows after them, written by the proposer in the slot it holds (`assemble`).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+FREE, WRITING, HELD = 0, 1, 2
+HEADER_FIELDS = 2  # (state, seq) per slot, int64
+PAGE = 4096
+
+
+def _base_dir(size: int) -> str:
+    """`/dev/shm` (memory-backed) when it can hold `size` bytes, else the temp dir: a sparse file grows only
+    as rows are written, and a full tmpfs would kill the writer with SIGBUS instead of an error (containers
+    often give /dev/shm only 64 MiB)."""
+    for d in ("/dev/shm", tempfile.gettempdir()):
+        try:
+            st = os.statvfs(d)
+        except OSError:
+            continue
+        if os.access(d, os.W_OK) and st.f_bavail * st.f_frsize >= size:
+            return d
+    raise OSError(f"proposal ring: no directory with {size / 2**30:.1f} GiB free for the sampled rows' "
+                  "probabilities (/dev/shm or the temp dir); lower max_num_seqs or free space")
+
+
+class ProposalRing:
+    """A ring of `slots` float32 `[rows, k, vocab]` buffers in one memory-mapped file (see module doc).
+
+    The proposer `create`s it (and removes it on `close`); the drafter `attach`es with `spec()`.
+    The file is sparse: memory is only used for rows that were written at least once.
+    """
+
+    def __init__(self, path: str, rows: int, k: int, vocab: int, slots: int, owner: bool):
+        if rows < 1 or k < 1 or vocab < 1 or slots < 1:
+            raise ValueError(f"proposal ring: rows, k, vocab and slots must be >= 1 (got {rows}, {k}, {vocab}, "
+                             f"{slots})")
+        self.path, self.rows, self.k, self.vocab, self.slots, self.owner = path, rows, k, vocab, slots, owner
+        self.slot_floats = rows * k * vocab
+        header_bytes = -(-slots * HEADER_FIELDS * 8 // PAGE) * PAGE
+        size = header_bytes + slots * self.slot_floats * 4
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if owner else 0), 0o600)
+        try:
+            if owner:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size != size:
+                raise ValueError(f"proposal ring {path}: size {os.fstat(fd).st_size} bytes, expected {size} for "
+                                 f"rows={rows} k={k} vocab={vocab} slots={slots}")
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.header = np.frombuffer(self._mm, dtype=np.int64, count=slots * HEADER_FIELDS).reshape(slots, 2)
+        data = np.frombuffer(self._mm, dtype=np.float32, offset=header_bytes, count=slots * self.slot_floats)
+        self._data = data.reshape(slots, rows, k, vocab)
+        self._tensor = torch.from_numpy(self._data)  # shares the mapping (no copy)
+        self._next = 0
+        self._finalizer = weakref.finalize(self, _remove, os.path.dirname(path) if owner else None)
+
+    # ---- construction ---------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, rows: int, k: int, vocab: int, slots: int = 2, base_dir: str | None = None) -> ProposalRing:
+        """A new ring in a fresh private (0700) directory; the caller owns it and must `close` it."""
+        size = PAGE + slots * rows * k * vocab * 4
+        d = tempfile.mkdtemp(prefix="saguaro-probs-", dir=base_dir or _base_dir(size))
+        os.chmod(d, 0o700)
+        try:
+            return cls(os.path.join(d, "ring"), rows, k, vocab, slots, owner=True)
+        except BaseException:
+            shutil.rmtree(d, ignore_errors=True)
+            raise
+
+    @classmethod
+    def attach(cls, spec: dict) -> ProposalRing:
+        """The drafter's handle on the proposer's ring, from `spec()`."""
+        return cls(spec["path"], int(spec["rows"]), int(spec["k"]), int(spec["vocab"]), int(spec["slots"]),
+                   owner=False)
+
+    def spec(self) -> dict:
+        return {"path": self.path, "rows": self.rows, "k": self.k, "vocab": self.vocab, "slots": self.slots}
+
+    def close(self) -> None:
+        """Unmap; the owner also removes the file and its directory. Views handed out must be dropped first."""
+        self.header = self._data = self._tensor = None
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still alive somewhere: the mapping goes when it does
+            pass
+        self._finalizer()
+
+    # ---- drafter side ---------------------------------------------------------------------------------
+    def acquire(self, seq: int) -> int | None:
+        """A FREE slot, now WRITING for answer `seq` (round robin); None if the proposer holds them all."""
+        for i in range(self.slots):
+            s = (self._next + i) % self.slots
+            if self.header[s, 0] == FREE:
+                self.header[s, 1] = seq
+                self.header[s, 0] = WRITING
+                self._next = (s + 1) % self.slots
+                return s
+        return None
+
+    def publish(self, slot: int) -> None:
+        """The drafter finished writing `slot`: from now on the proposer holds it."""
+        if self.header[slot, 0] != WRITING:
+            raise RuntimeError(f"proposal ring: publish of slot {slot} in state {int(self.header[slot, 0])}")
+        self.header[slot, 0] = HELD
+
+    def abandon(self, slot: int) -> None:
+        """The drafter will not publish `slot` (its step failed): give it back."""
+        if self.header[slot, 0] == WRITING:
+            self.header[slot, 0] = FREE
+
+    # ---- both sides -----------------------------------------------------------------------------------
+    def slot(self, slot: int) -> torch.Tensor:
+        """float32 `[rows, k, vocab]` tensor over the slot's memory (no copy)."""
+        return self._tensor[slot]
+
+    # ---- proposer side --------------------------------------------------------------------------------
+    def held(self, slot: int, seq: int) -> bool:
+        """Whether `slot` is HELD with the content of answer `seq` (else it must not be read)."""
+        return 0 <= slot < self.slots and self.header[slot, 0] == HELD and self.header[slot, 1] == seq
+
+    def release_held(self) -> None:
+        """Give every HELD slot back to the drafter (vLLM no longer reads any of them: see module doc)."""
+        held = self.header[:, 0] == HELD
+        self.header[held, 0] = FREE
+
+
+def _remove(directory: str | None) -> None:
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class SlotWriter:
+    """The drafter's writes of one answer: slot rows handed out in order, one per sampled request row."""
+
+    def __init__(self, ring: ProposalRing | None, seq: int):
+        self.ring, self.seq = ring, seq
+        self.slot = ring.acquire(seq) if ring is not None else None
+        self.rows: list[int] = []  # answer row of each slot row, in order
+
+    @property
+    def available(self) -> bool:
+        return self.slot is not None
+
+    def row_of(self, answer_row: int) -> int:
+        """The slot row of `answer_row`, handing out the next one on first use."""
+        try:
+            return self.rows.index(answer_row)
+        except ValueError:
+            if len(self.rows) >= self.ring.rows:
+                raise RuntimeError(f"proposal ring: more than {self.ring.rows} sampled rows in one step") from None
+            self.rows.append(answer_row)
+            return len(self.rows) - 1
+
+    def buffer(self) -> torch.Tensor:
+        """The slot as float32 `[rows, k, vocab]` (writable)."""
+        return self.ring.slot(self.slot)
+
+    def put(self, answer_row: int, probs: Sequence[torch.Tensor] | torch.Tensor) -> None:
+        """Copy one row's q (`[n, vocab]` or n tensors of `[vocab]`) into its slot row."""
+        r = self.row_of(answer_row)
+        dest = self.ring.slot(self.slot)[r]
+        if isinstance(probs, torch.Tensor):
+            dest[: probs.shape[0]].copy_(probs)
+        else:
+            for pos, p in enumerate(probs):
+                dest[pos].copy_(p)
+
+    def finish(self) -> tuple[int, list[int]]:
+        """(slot, rows) for the answer; publishes the slot, or frees it when nothing was written."""
+        if self.slot is None:
+            return -1, []
+        if not self.rows:
+            self.ring.abandon(self.slot)
+            return -1, []
+        self.ring.publish(self.slot)
+        return self.slot, list(self.rows)
+
+    def abandon(self) -> None:
+        if self.slot is not None:
+            self.ring.abandon(self.slot)
+            self.slot = None
+
+
+def assemble(slot: torch.Tensor, prob_rows: Sequence[int], drafts: Sequence[Sequence[int]],
+             k: int) -> tuple[torch.Tensor, list[int]]:
+    """The rejection sampler's `[rows, k, vocab]` proposal tensor for one step, inside the held `slot`.
+
+    `prob_rows[r]`: the answer row whose q the drafter wrote into slot row r (its first len(drafts[row])
+    positions). Every other answer row with drafts was chosen deterministically (greedy) and gets one-hot
+    rows after them (q = 1 at the draft: exact for any deterministic choice). Returns the tensor (a view of
+    the slot's first rows, no copy) and the answer row of each of its rows. Positions past a row's drafts
+    are left as they are: vLLM reads only the drafts it schedules, never more than were proposed.
+    """
+    m = len(prob_rows)
+    sampled = set(prob_rows)
+    greedy = [j for j, toks in enumerate(drafts) if toks and j not in sampled]
+    rows = list(prob_rows) + greedy
+    if len(rows) > slot.shape[0]:
+        raise RuntimeError(f"proposal ring: {len(rows)} rows with drafts, slot has {slot.shape[0]}")
+    if greedy:
+        block = slot[m: m + len(greedy)]
+        block.zero_()
+        block[draft_positions([list(drafts[j])[:k] for j in greedy])] = 1.0
+    return slot[: len(rows)], rows
+
+
+def draft_positions(drafts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, position, token) index tensors of every draft token of `drafts`, for one gather or scatter."""
+    lens = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(drafts)), lens)
+    starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    pos = torch.arange(int(lens.sum())) - starts
+    toks = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
+    return rows, pos, toks
