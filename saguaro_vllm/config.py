@@ -56,6 +56,12 @@ class SaguaroOptions(BaseModel):
         description="CPU only: the core ids of the target worker (sets VLLM_CPU_OMP_THREADS_BIND unless "
         "you set it yourself). Default: the cores not given to the drafter.",
     )
+    share_cores: bool = Field(
+        False,
+        description="CPU only: let the drafter share cores with the target's ranks when the machine has "
+        "fewer cores than target ranks (tensor x pipeline parallel) plus one; both then run slower (a "
+        "warning says so). Without it, overlapping draft and target cores are a config error.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Draft weights and KV dtype. `auto`: on CPU bfloat16 where the CPU has bf16 "
         "matrix instructions (AVX512-BF16 or AMX), else float32; the target's dtype on GPU."

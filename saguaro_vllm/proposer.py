@@ -58,12 +58,22 @@ class SaguaroProposer:
         self.metrics = SaguaroMetrics(self.cfg, self.logger)
         self.client: DrafterClient | None = None
         if self.cfg.get("target_cores"):
-            self._pin_target(self.cfg["target_cores"])
+            self._pin_target(self._rank_cores())
         if self._is_output_rank():
             # Sampled rows' q comes through shared memory, not the socket (proposal_buffers.py).
             self.ring = ProposalRing.create(rows=_max_rows(vllm_config), k=self.k, vocab=self.vocab_size)
             self.cfg["proposal_ring"] = self.ring.spec()
             self.client = DrafterClient(self.cfg, self.logger, metrics=self.metrics, vocab_size=self.vocab_size)
+
+    def _rank_cores(self) -> list[int]:
+        """CPU: this worker's own cores: its slice of the per-rank lists (one list per local rank, the
+        same lists vLLM's multiproc executor binds each rank's OpenMP threads to), so ranks never share."""
+        rank_cores = self.cfg.get("target_rank_cores") or [self.cfg["target_cores"]]
+        if len(rank_cores) == 1:
+            return rank_cores[0]
+        from vllm.distributed.parallel_state import get_world_group
+
+        return rank_cores[get_world_group().local_rank]
 
     def _pin_target(self, cores: list[int]) -> None:
         """CPU: keep the whole target worker on its cores (saguaro_vllm/placement.py says why)."""

@@ -6,7 +6,9 @@ path, an incompatible vocabulary or an impossible device fails at once with a me
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import pathlib
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 from saguaro_vllm.config import SaguaroConfig, SaguaroConfigError
 
 SUPPORTED_DRAFT_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+logger = logging.getLogger("vllm.saguaro")
 
 
 def resolve_draft_path(model: str) -> pathlib.Path:
@@ -89,8 +92,67 @@ def _parse_cores(env_value: str) -> list[int]:
     return cores
 
 
-def resolve_cpu_placement(cfg: SaguaroConfig, tp_size: int) -> tuple[list[int], list[int]]:
-    """Split this machine's cores between the target worker(s) and the drafter."""
+def split_cores(cores: list[int], parts: int) -> list[list[int]]:
+    """`cores` in `parts` contiguous slices, sizes differing by at most one (the first slices larger).
+
+    >>> split_cores([0, 1, 2, 3, 4], 2)
+    [[0, 1, 2], [3, 4]]
+    """
+    size, extra = divmod(len(cores), parts)
+    out, at = [], 0
+    for i in range(parts):
+        n = size + (i < extra)
+        out.append(cores[at:at + n])
+        at += n
+    return out
+
+
+@dataclasses.dataclass
+class CpuPlacement:
+    """Cores of the drafter and of each target rank (vLLM's local rank order: pipeline stage, then
+    tensor-parallel rank), plus the cores the drafter shares with the target (`share_cores`)."""
+
+    draft: list[int]
+    ranks: list[list[int]]
+    shared: list[int]
+
+    @property
+    def target(self) -> list[int]:
+        return sorted(c for cores in self.ranks for c in cores)
+
+    def omp_threads_bind(self) -> str:
+        """`VLLM_CPU_OMP_THREADS_BIND` for these ranks: one core list per rank, separated by '|'."""
+        return "|".join(",".join(map(str, cores)) for cores in self.ranks)
+
+
+def _user_rank_cores(user_bind: str, world: int) -> list[list[int]] | None:
+    """The per-rank core lists of an explicit `VLLM_CPU_OMP_THREADS_BIND` (None for auto / nobind)."""
+    if user_bind in ("auto", "nobind", ""):
+        return None
+    lists = user_bind.split("|")
+    if len(lists) != world:
+        raise SaguaroConfigError(
+            f"VLLM_CPU_OMP_THREADS_BIND={user_bind!r} gives {len(lists)} core list(s) but the target has "
+            f"{world} rank(s) (tensor x pipeline parallel): give one list per rank separated by '|' "
+            "(e.g. '0-15|16-31'), or unset it and use speculative_config.saguaro.target_cores."
+        )
+    try:
+        return [_parse_cores(part) for part in lists]
+    except ValueError:
+        raise SaguaroConfigError(
+            f"VLLM_CPU_OMP_THREADS_BIND={user_bind!r} is not a '|'-separated list of core lists "
+            "such as '0-15|16-31'."
+        ) from None
+
+
+def resolve_cpu_placement(cfg: SaguaroConfig, world_size: int = 1) -> CpuPlacement:
+    """Split this machine's cores between the target's `world_size` ranks (TP x PP) and the drafter.
+
+    Each rank gets its own cores (`target_cores` split into contiguous slices, or the user's
+    '|'-separated `VLLM_CPU_OMP_THREADS_BIND`); the drafter gets `draft_cores`, by default a rank's share
+    of the cores (rounded up) from the top. Cores shared between the drafter and a rank are a config error
+    unless `share_cores` is set.
+    """
     opts = cfg.saguaro
     available = sorted(os.sched_getaffinity(0))
     for field, cores in (("draft_cores", opts.draft_cores), ("target_cores", opts.target_cores)):
@@ -100,36 +162,61 @@ def resolve_cpu_placement(cfg: SaguaroConfig, tp_size: int) -> tuple[list[int], 
                 f"speculative_config.saguaro.{field}: cores {bad} are not available to this process "
                 f"(available: {available})."
             )
+    user_ranks = _user_rank_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"), world_size)
+    if user_ranks is not None and opts.target_cores and sorted(sum(user_ranks, [])) != sorted(opts.target_cores):
+        raise SaguaroConfigError(
+            "speculative_config.saguaro.target_cores: differs from VLLM_CPU_OMP_THREADS_BIND="
+            f"{os.environ['VLLM_CPU_OMP_THREADS_BIND']!r}; set only one of them."
+        )
+    ranks_named = "" if world_size == 1 else f" for {world_size} target ranks (tensor x pipeline parallel)"
     draft = list(opts.draft_cores or [])
-    target = list(opts.target_cores or [])
-    user_bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    if not target and user_bind not in ("auto", "nobind", "") and "|" not in user_bind:
-        target = _parse_cores(user_bind)
+    target = list(opts.target_cores or []) or sorted(sum(user_ranks or [], []))
     if not draft:
-        rest = [c for c in available if c not in target] or available
-        draft = rest[len(rest) // 2:] if not target else rest
+        rest = [c for c in available if c not in target]
+        if target:
+            draft = rest or available[-1:]
+        else:
+            draft = available[len(available) - -(-len(available) // (world_size + 1)):]
     if not target:
         target = [c for c in available if c not in draft]
-    if not target:
+        if len(target) < world_size and opts.share_cores:
+            target = available
+    if len(target) < world_size:
+        if opts.target_cores or user_ranks:
+            field = "target_cores"
+            why = f"gives {len(target)} core(s){ranks_named}, each rank needs one"
+        elif opts.draft_cores:
+            field = "draft_cores"
+            why = f"leaves {len(target)} core(s){ranks_named}, each rank needs one; give the drafter fewer cores"
+        else:
+            field = "share_cores"
+            why = (f"{world_size} target rank(s) and the drafter need at least {world_size + 1} cores; "
+                   'set "share_cores": true to let the drafter share cores with the target (slower), '
+                   "or use fewer ranks")
         raise SaguaroConfigError(
-            "speculative_config.saguaro.draft_cores: leaves no core for the target worker; "
-            "give the drafter fewer cores."
+            f"speculative_config.saguaro.{field}: {why} (this process may use {len(available)} cores: "
+            f"{available})."
         )
-    overlap = sorted(set(draft) & set(target))
-    if overlap:
+    ranks = user_ranks or split_cores(sorted(target), world_size)
+    seen: set[int] = set()
+    for cores in ranks:
+        if not cores or seen & set(cores):
+            raise SaguaroConfigError(
+                f"VLLM_CPU_OMP_THREADS_BIND: every target rank needs its own non-empty core list, got {ranks}."
+            )
+        seen |= set(cores)
+    shared = sorted(set(draft) & seen)
+    if shared and not opts.share_cores:
         raise SaguaroConfigError(
-            f"speculative_config.saguaro.draft_cores: cores {overlap} are also target cores; the drafter must "
-            "run on its own cores (set draft_cores and target_cores to disjoint lists)."
+            f"speculative_config.saguaro.draft_cores: cores {shared} are also target cores{ranks_named} "
+            f"(this process may use {available}); the drafter must run on its own cores: set draft_cores and "
+            'target_cores to disjoint lists, or set "share_cores": true to let the drafter share them (slower).'
         )
-    if tp_size > 1:
-        raise SaguaroConfigError(
-            "speculative_config.saguaro: tensor parallelism on the CPU backend is not supported by the "
-            "Saguaro CPU placement yet; use tensor_parallel_size=1."
-        )
-    return draft, target
+    return CpuPlacement(sorted(draft), ranks, shared)
 
 
-def resolve_device(cfg: SaguaroConfig, is_cpu_platform: bool, tp_size: int) -> str:
+def resolve_device(cfg: SaguaroConfig, is_cpu_platform: bool, tp_size: int, pp_size: int = 1) -> str:
+    """The drafter's device; `auto` on GPUs is the first GPU after the target's TP x PP GPUs."""
     device = cfg.saguaro.device
     if is_cpu_platform:
         if device not in ("auto", "cpu"):
@@ -141,13 +228,15 @@ def resolve_device(cfg: SaguaroConfig, is_cpu_platform: bool, tp_size: int) -> s
     import torch
 
     count = torch.cuda.device_count()
+    used = tp_size * pp_size
     if device == "auto":
-        if count <= tp_size:
+        if count <= used:
             raise SaguaroConfigError(
                 f"speculative_config.saguaro.device: 'auto' needs a free GPU for the drafter, but the target "
-                f"uses {tp_size} of {count} GPUs. Set device to 'cuda:N' to share a GPU, or free one."
+                f"uses {used} of {count} GPUs (tensor parallel {tp_size} x pipeline parallel {pp_size}). "
+                "Set device to 'cuda:N' to share a GPU, or free one."
             )
-        return f"cuda:{tp_size}"
+        return f"cuda:{used}"
     if device == "cpu":
         return "cpu"
     index = int(device.split(":")[1])
@@ -171,17 +260,22 @@ def cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 
 def resolve_for_engine(cfg: SaguaroConfig, target_model_config: Any, tp_size: int,
-                       is_cpu_platform: bool) -> dict[str, Any]:
+                       is_cpu_platform: bool, pp_size: int = 1) -> dict[str, Any]:
     """Everything the proposer and drafter need, as a plain JSON-able dict; sets the target's CPU binding."""
     draft_dir = resolve_draft_path(cfg.model)
     info = check_draft(draft_dir, target_model_config)
-    device = resolve_device(cfg, is_cpu_platform, tp_size)
+    device = resolve_device(cfg, is_cpu_platform, tp_size, pp_size)
     draft_cores: list[int] = []
-    target_cores: list[int] = []
+    rank_cores: list[list[int]] = []
     if device == "cpu":
-        draft_cores, target_cores = resolve_cpu_placement(cfg, tp_size)
+        # A GPU target's ranks are not placed on cores: only the drafter's cores matter there.
+        placement = resolve_cpu_placement(cfg, tp_size * pp_size if is_cpu_platform else 1)
+        draft_cores, rank_cores = placement.draft, placement.ranks
+        if placement.shared:
+            logger.warning("Saguaro: the drafter shares cores %s with the target (share_cores): both run "
+                           "slower than on cores of their own", placement.shared)
         if is_cpu_platform and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, target_cores))
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = placement.omp_threads_bind()
     dtype = cfg.saguaro.dtype
     if dtype == "auto":
         if device == "cpu":
@@ -200,7 +294,8 @@ def resolve_for_engine(cfg: SaguaroConfig, target_model_config: Any, tp_size: in
         draft_path=str(draft_dir),
         device=device,
         draft_cores=draft_cores,
-        target_cores=target_cores if is_cpu_platform else [],
+        target_cores=sorted(sum(rank_cores, [])) if is_cpu_platform else [],
+        target_rank_cores=rank_cores if is_cpu_platform else [],
         dtype=dtype,
         vocab_size=info["vocab_size"],
         architecture=info["architecture"],

@@ -42,6 +42,7 @@ def wrap_create_speculative_config(original):
             cfg,
             target_model_config,
             tp_size=target_parallel_config.tensor_parallel_size,
+            pp_size=target_parallel_config.pipeline_parallel_size,
             is_cpu_platform=current_platform.is_cpu(),
         )
         _check_lengths(resolved, target_model_config)
