@@ -4,9 +4,17 @@ Exactness does not depend on matching the target's sampler: any proposal q is ex
 verifier receives exactly the q the token was drawn from. Honouring the request's temperature, top-k and
 top-p in q only raises acceptance (a token outside the target's top-k/top-p set is always rejected).
 Deterministically chosen tokens (greedy drafts) need no q at all: vLLM verifies them one-hot.
+
+Noise: each sampled request has its own generator (`request_generator`). For a request with a `seed` it is
+seeded from a value derived from that seed, never the seed itself: vLLM seeds the target's per-request
+generator with the plain seed, and on CUDA both would read the same Philox stream (the target's exponential
+race, our uniforms), so a drafter seeded alike would reuse the target's own random numbers and its draft
+would be correlated with the target's sample, which biases acceptance.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Sequence
 
 import torch
@@ -65,3 +73,26 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     """One token per row of `probs`, drawn exactly from it (exponential race: argmax p / E, E ~ Exp(1))."""
     e = torch.empty_like(probs).exponential_(1.0, generator=generator)
     return (probs / e).argmax(dim=-1)
+
+
+#: Domain tag of the drafter's generators: its streams are not the target's for any seed.
+DRAFT_SEED_TAG = b"saguaro-draft"
+
+
+def draft_seed(seed: int) -> int:
+    """The drafter's 64-bit seed for a request whose `SamplingParams.seed` is `seed`: a fixed hash
+    (BLAKE2b of a domain tag and the seed), the same in every process and run, unrelated to `seed` itself.
+
+    >>> draft_seed(0) == draft_seed(0) != draft_seed(1)
+    True
+    """
+    digest = hashlib.blake2b(DRAFT_SEED_TAG + int(seed).to_bytes(16, "little", signed=True), digest_size=8)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def request_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """A sampled request's own generator: from `draft_seed(seed)` (reproducible) or, without a seed,
+    from fresh OS randomness."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(draft_seed(seed) if seed is not None else int.from_bytes(os.urandom(8), "little"))
+    return gen

@@ -12,13 +12,12 @@ import dataclasses
 import logging
 import time
 
-import numpy as np
 import torch
 
 from saguaro_vllm.drafter.kv_cache import OutOfBlocksError
 from saguaro_vllm.drafter.room import NoRoomLog
 from saguaro_vllm.drafter.runner import DraftModelRunner
-from saguaro_vllm.drafter.sampling import proposal_probs_rows, sample_rows
+from saguaro_vllm.drafter.sampling import proposal_probs_rows, request_generator, sample_rows
 from saguaro_vllm.proposal_buffers import ProposalRing, SlotWriter
 from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest, StepResponse
 
@@ -131,10 +130,7 @@ class SyncDrafter:
             return None
         if st is None:
             spec = row.sampling or SamplingSpec()
-            gen = None
-            if not spec.greedy:
-                gen = torch.Generator(device=self.runner.device)
-                gen.manual_seed(spec.seed if spec.seed is not None else int.from_bytes(np.random.bytes(7), "little"))
+            gen = None if spec.greedy else request_generator(spec.seed, self.runner.device)
             st = self.reqs[row.req_id] = _ReqState(spec, gen)
         old_len = len(st.context)
         st.context.extend(row.new_tokens)
