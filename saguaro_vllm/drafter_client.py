@@ -385,6 +385,10 @@ class DrafterClient:
                 continue
             if isinstance(msg, StepResponse) and msg.step < req.step:
                 continue  # an answer to an earlier step: drop it
+            if isinstance(msg, StepResponse) and msg.step == req.step and msg.error and not msg.drafts and req.rows:
+                # the drafter could not decode the request: it holds nothing of it, so it is not delivered
+                self._reply_problem("rejected", msg.error)
+                raise self._unavailable("rejected", msg.error, delivered=False)
             problem = check_response(req, msg, self.vocab_size) if isinstance(msg, StepResponse) else \
                 f"unexpected: a {type(msg).__name__} message during a step"
             if problem is not None:

@@ -40,11 +40,12 @@ ReqId = Annotated[str, msgspec.Meta(max_length=4096)]
 
 
 class MessageRejected(Exception):
-    """A received message that is not a well-formed message of this direction; `reason` is a short label."""
+    """A received message that is not a well-formed message of this direction; `reason` is a short label,
+    `step` the step id its header names where one could be read (so the drafter can still answer)."""
 
-    def __init__(self, reason: str, detail: str = ""):
+    def __init__(self, reason: str, detail: str = "", step: int | None = None):
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason, self.step = reason, step
 
 
 # ---- the messages -----------------------------------------------------------------------------------------
@@ -122,6 +123,23 @@ class Shutdown(msgspec.Struct, tag="shutdown", forbid_unknown_fields=True):
 #: What the drafter may receive, and what the proposer may receive.
 ToDrafter = Union[StepRequest, Shutdown]
 ToProposer = Union[StepResponse, Ready, Failed]
+
+
+class _StepId(msgspec.Struct, tag="step"):
+    """Only the step id of a StepRequest (other fields ignored): to answer a request that was rejected."""
+
+    step: int
+
+
+_step_id_decoder = msgspec.msgpack.Decoder(_StepId)
+
+
+def rejected_step(header) -> int | None:
+    """The step id of a StepRequest header that failed to decode, if it can be read at all."""
+    try:
+        return _step_id_decoder.decode(header).step
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
 
 
 class _ArrayRef(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -326,11 +344,16 @@ class Channel:
         frames = self.sock.recv_multipart(copy=False)
         limit = self.max_bytes if max_bytes is None else max_bytes
         size = sum(f.buffer.nbytes for f in frames)
-        if size > limit:
-            raise MessageRejected("oversized", f"{size} bytes, limit {limit}")
-        if max_frames is not None and len(frames) > max_frames:
-            raise MessageRejected("frames", f"{len(frames)} frames, limit {max_frames}")
-        return self.codec.decode(frames)
+        try:
+            if size > limit:
+                raise MessageRejected("oversized", f"{size} bytes, limit {limit}")
+            if max_frames is not None and len(frames) > max_frames:
+                raise MessageRejected("frames", f"{len(frames)} frames, limit {max_frames}")
+            return self.codec.decode(frames)
+        except MessageRejected as err:
+            if frames[0].buffer.nbytes <= CONTROL_MAX_BYTES:
+                err.step = rejected_step(frames[0].buffer)
+            raise
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -31,6 +31,7 @@ from saguaro_vllm.transport import (
     _Codec,
     check_response,
     new_endpoint,
+    rejected_step,
     reply_size_limit,
     sweep_stale_dirs,
 )
@@ -93,6 +94,8 @@ def test_malformed_messages_are_rejected_with_a_reason():
     assert _rejected([frames[0], frames[1][:-4]]) == "shape"  # bytes do not match the shape
     assert _rejected(frames[:1]) == "frames"  # the array frame is missing
     assert _rejected(_frames(_reply(req, probs={0: np.zeros((K, VOCAB), np.float64)}))) == "dtype"
+    assert rejected_step(enc(bad_row)) == 1  # the drafter can still answer step 1 with an error
+    assert rejected_step(b"\xc1") is None and rejected_step(enc({"type": "shutdown"})) is None
 
 
 def test_channel_rejects_oversized_messages_before_decoding():

@@ -183,8 +183,11 @@ def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
             except MessageRejected as err:  # cannot happen with our proposer: say so once per kind
                 if err.reason not in rejected:
                     rejected.add(err.reason)
-                    logger.error("drafter: rejected a malformed request (%s); further ones are dropped "
-                                 "silently", err)
+                    logger.error("drafter: rejected a malformed request (%s); further ones are only answered "
+                                 "with an error", err)
+                if err.step is not None:  # answer it, so the proposer counts it instead of waiting
+                    chan.send(StepResponse(err.step, [], {}, 0.0, error=f"request rejected: {err}"),
+                              wait_s=REPLY_WAIT_S)
                 continue
             if msg is None:
                 if busy:
