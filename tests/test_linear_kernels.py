@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from saguaro_vllm.config import SaguaroConfigError, parse_saguaro_config
 from saguaro_vllm.drafter.kv_cache import KVCacheConfig
 from saguaro_vllm.drafter.model import load_draft_model
+from saguaro_vllm.drafter.model import linear_kernels
 from saguaro_vllm.drafter.model.layers import Linear, MergedLinear
 from saguaro_vllm.drafter.model.linear_kernels import (
     install_linear_kernel,
@@ -21,7 +22,7 @@ from saguaro_vllm.drafter.runner import DraftModelRunner
 
 transformers = pytest.importorskip("transformers")
 
-needs_packed = pytest.mark.skipif(not packed_available(), reason="torch built without oneDNN")
+needs_packed = pytest.mark.skipif(not packed_available(), reason="oneDNN packed bf16 linear unavailable (torch build or CPU)")
 needs_int8 = pytest.mark.skipif(not int8_available(), reason="torch built without fbgemm")
 
 
@@ -96,7 +97,10 @@ def test_whole_model_logits(tmp_path, kernel, tol, tie):
     else:
         scale = plain.abs().max()
         torch.testing.assert_close(out / scale, plain / scale, atol=tol, rtol=0)
-    assert (out.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
+    # 7-bit activations on CPUs without VNNI (linear_kernels._INT8_REDUCE_RANGE) flip more near-ties of
+    # this random model's logits
+    agree = 0.8 if kernel == "int8" and linear_kernels._INT8_REDUCE_RANGE else 0.9
+    assert (out.argmax(-1) == plain.argmax(-1)).float().mean() >= agree
 
 
 def test_resolve_linear():

@@ -11,6 +11,7 @@ from, so int8's different draft distribution changes the acceptance rate, never 
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -22,8 +23,17 @@ from saguaro_vllm.drafter.model.layers import Linear, MergedLinear
 LINEAR_KERNELS = ("auto", "plain", "packed", "int8")
 
 
+@functools.cache
 def packed_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """oneDNN's packed bf16 linear exists in this torch build AND runs on this CPU (it needs AVX-512 BW/VL/DQ
+    or AVX-NE-CONVERT: without them the reorder raises), probed once on a tiny weight."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        _packed_bf16(torch.zeros(8, 8, dtype=torch.bfloat16), None)(torch.zeros(1, 8, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
 
 
 def int8_available() -> bool:
@@ -39,7 +49,7 @@ def resolve_linear(requested: str, device: str, dtype: str) -> str:
         return "packed" if on_cpu and dtype == "bfloat16" and packed_available() else "plain"
     if requested == "packed" and not (on_cpu and dtype == "bfloat16" and packed_available()):
         raise ValueError(f"'packed' needs the drafter on CPU in bfloat16 with oneDNN (device {device}, dtype "
-                         f"{dtype}); use 'auto' or 'plain'")
+                         f"{dtype}) on a CPU that oneDNN's bf16 path supports (AVX-512 or AVX-NE-CONVERT); use 'auto' or 'plain'")
     if requested == "int8" and not (on_cpu and int8_available()):
         raise ValueError(f"'int8' needs the drafter on CPU with torch's fbgemm engine (device {device}); use "
                          "'auto' or 'plain'")
@@ -58,6 +68,21 @@ def _packed_bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[t
     return run
 
 
+def _cpu_has_vnni(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
+#: Without VNNI, fbgemm multiplies u8 x s8 pairs into saturating int16 sums (vpmaddubsw): activations must be
+#: quantized to 7 bits or large products overflow (seen on an AVX2-only CPU: errors of 0.1-0.13 of the output
+#: scale at 7+ rows against 0.04 with 7 bits).
+_INT8_REDUCE_RANGE = not _cpu_has_vnni()
+
+
 def _int8_dynamic(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """Per-output-channel symmetric int8 weights; fbgemm quantizes the activations per call."""
     w = weight.detach().float()
@@ -70,7 +95,8 @@ def _int8_dynamic(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[
 
     def run(x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float().contiguous(), packed)
+        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float().contiguous(), packed,
+                                               _INT8_REDUCE_RANGE)
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
 
     return run
