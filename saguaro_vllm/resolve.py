@@ -125,6 +125,18 @@ class CpuPlacement:
         return "|".join(",".join(map(str, cores)) for cores in self.ranks)
 
 
+# The value this plugin last wrote to VLLM_CPU_OMP_THREADS_BIND (an environment variable, so vLLM's engine-core
+# and worker processes know it too): a later engine in the same process, perhaps with another TP size, must
+# treat it as 'auto', not as the user's own binding.
+_BIND_SET_BY_US = "SAGUARO_SET_OMP_THREADS_BIND"
+
+
+def _user_bind() -> str:
+    """The user's `VLLM_CPU_OMP_THREADS_BIND` ('auto' when unset or when it is the value we set)."""
+    value = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    return "auto" if value == os.environ.get(_BIND_SET_BY_US) else value
+
+
 def _user_rank_cores(user_bind: str, world: int) -> list[list[int]] | None:
     """The per-rank core lists of an explicit `VLLM_CPU_OMP_THREADS_BIND` (None for auto / nobind)."""
     if user_bind in ("auto", "nobind", ""):
@@ -162,7 +174,7 @@ def resolve_cpu_placement(cfg: SaguaroConfig, world_size: int = 1) -> CpuPlaceme
                 f"speculative_config.saguaro.{field}: cores {bad} are not available to this process "
                 f"(available: {available})."
             )
-    user_ranks = _user_rank_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"), world_size)
+    user_ranks = _user_rank_cores(_user_bind(), world_size)
     if user_ranks is not None and opts.target_cores and sorted(sum(user_ranks, [])) != sorted(opts.target_cores):
         raise SaguaroConfigError(
             "speculative_config.saguaro.target_cores: differs from VLLM_CPU_OMP_THREADS_BIND="
@@ -274,8 +286,8 @@ def resolve_for_engine(cfg: SaguaroConfig, target_model_config: Any, tp_size: in
         if placement.shared:
             logger.warning("Saguaro: the drafter shares cores %s with the target (share_cores): both run "
                            "slower than on cores of their own", placement.shared)
-        if is_cpu_platform and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = placement.omp_threads_bind()
+        if is_cpu_platform and _user_bind() == "auto":
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = os.environ[_BIND_SET_BY_US] = placement.omp_threads_bind()
     dtype = cfg.saguaro.dtype
     if dtype == "auto":
         if device == "cpu":

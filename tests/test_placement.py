@@ -87,6 +87,25 @@ def test_user_binding_with_one_list_per_rank_is_kept(monkeypatch):
     assert p.ranks == [[0, 1, 2], [3, 4, 5]] and p.draft == [6, 7]
 
 
+def test_a_binding_written_by_an_earlier_engine_is_not_taken_for_the_users(monkeypatch):
+    # A TP=1 engine in this process wrote '0' (and marked it as ours): a TP=2 engine afterwards re-splits,
+    # where the user's own '0' is still an error naming the fix (below).
+    monkeypatch.setenv("SAGUARO_SET_OMP_THREADS_BIND", "0")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    from saguaro_vllm.config import parse_saguaro_config
+    from saguaro_vllm.resolve import resolve_cpu_placement
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    cfg = parse_saguaro_config({"method": "saguaro", "model": "d", "num_speculative_tokens": 3})
+    p = resolve_cpu_placement(cfg, 2)
+    assert p.ranks == [[0], [1]] and p.draft == [2, 3]
+    monkeypatch.setenv("SAGUARO_SET_OMP_THREADS_BIND", "0,1")
+    from saguaro_vllm.config import SaguaroConfigError
+
+    with pytest.raises(SaguaroConfigError, match="gives 1 core list"):
+        resolve_cpu_placement(cfg, 2)
+
+
 @pytest.mark.parametrize(("cores", "world", "bind", "saguaro", "message"), [
     (2, 2, None, {}, r"saguaro\.share_cores: 2 target rank\(s\) and the drafter need at least 3 cores"),
     (1, 1, None, {}, r"saguaro\.share_cores: 1 target rank\(s\) and the drafter need at least 2 cores"),
