@@ -49,10 +49,16 @@ def _client(cfg, script=None, **opts) -> DrafterClient:
 
 
 class Steps:
-    """Steps of one request "r" (its whole context resent after each restart), timed."""
+    """Steps of one request (its whole context resent after each restart), timed. Each instance has a request
+    id of its own: a context resent from the start for a request the drafter holds is answered with a resync,
+    so a test reusing an earlier test's id would begin with an undrafted step."""
+
+    _count = 0
 
     def __init__(self, client: DrafterClient, sampled: bool = False):
         self.client, self.step, self.sampled = client, 0, sampled
+        Steps._count += 1
+        self.rid = f"r{Steps._count}"
         self.held_by = None  # the drafter generation that holds the context (as the proposer tracks it)
 
     def __call__(self):
@@ -60,12 +66,12 @@ class Steps:
         self.step += 1
         start = 3 if self.held_by == self.client.generation else 0
         spec = SamplingSpec(temperature=0.8) if self.sampled else SamplingSpec()
-        row = RowUpdate("r", start, [5, 6, 7][start:], K, spec if start == 0 else None)
+        row = RowUpdate(self.rid, start, [5, 6, 7][start:], K, spec if start == 0 else None)
         t0 = time.monotonic()
         try:
             resp = self.client.step(StepRequest(self.step, [row], []))
             out = resp.drafts[0]
-            self.held_by = None if "r" in resp.resync else self.client.generation
+            self.held_by = None if self.rid in resp.resync else self.client.generation
         except DrafterUnavailable as err:
             out = err
             if err.delivered:
