@@ -118,6 +118,12 @@ class SaguaroProposer:
         ids, self._last_prob_req_ids = self._last_prob_req_ids, None
         return ids
 
+    def flush_finished(self) -> None:
+        """vLLM's step that retires the last requests schedules no tokens, so no `propose` follows it: send
+        their ids now, so the drafter frees their state (and its request gauge drops) while idle."""
+        if self.finished:
+            self.propose([], np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int64))
+
     # ---- the step ------------------------------------------------------------------------------------
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None, **_: Any) -> list[list[int]]:

@@ -2,14 +2,19 @@
 
 Binds to 127.0.0.1 only, on a free port; waits for `/health`; stops with SIGINT (vLLM's clean shutdown)
 and kills the whole process group if that does not finish in time, so no engine or drafter is left behind.
+With `prometheus_multiproc=True` the server runs in Prometheus multiprocess mode in a fresh directory
+(removed on stop), so metrics recorded in the worker process (`vllm:saguaro_*`) show on `/metrics`.
 """
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -28,15 +33,20 @@ def vllm_command() -> list[str]:
 
 class VLLMServer:
     def __init__(self, model: str, args: list[str], *, env: dict | None = None, log_path: str | None = None,
-                 startup_timeout_s: float = 600.0):
+                 startup_timeout_s: float = 600.0, prometheus_multiproc: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [*vllm_command(), "serve", model, "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
+        self.prometheus_dir: str | None = None
+        if prometheus_multiproc:  # vLLM wants an empty directory per run (stale files skew the metrics)
+            self.prometheus_dir = tempfile.mkdtemp(prefix="saguaro-prometheus-")
+            self.env["PROMETHEUS_MULTIPROC_DIR"] = self.prometheus_dir
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self._launched_at = 0.0
 
     def __enter__(self) -> VLLMServer:
         self.start()
@@ -46,10 +56,19 @@ class VLLMServer:
         self.stop()
 
     def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (e.g. to boot one server while another one works)."""
         self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout_s
+        self._launched_at = time.monotonic()
+
+    def wait_ready(self) -> None:
+        """Wait for `/health` (at most `startup_timeout_s` after `launch`); stops the server on failure."""
+        deadline = self._launched_at + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with code {self.proc.returncode} during start-up"
@@ -81,6 +100,8 @@ class VLLMServer:
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()
         self.proc = None
+        if self.prometheus_dir is not None:
+            shutil.rmtree(self.prometheus_dir, ignore_errors=True)
 
     def processes(self) -> list[tuple[str, "psutil.Process"]]:
         """(role, process) for the server and each live descendant: `server`, `engine core`, `worker`,
@@ -104,6 +125,18 @@ class VLLMServer:
     def metrics_text(self) -> str:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
             return r.read().decode()
+
+    def metric_samples(self) -> dict[str, float]:
+        """Every sample of `/metrics`, keyed `name` or `name{label="value",...}` as the page writes it."""
+        return metric_samples(self.metrics_text())
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) ([-+0-9.eEinfNa]+)$", re.M)
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """Parse a Prometheus text page into {sample (with its labels): value}."""
+    return {m.group(1): float(m.group(2)) for m in _SAMPLE.finditer(text)}
 
 
 def process_role(name: str, cmdline: list[str]) -> str:

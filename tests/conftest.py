@@ -27,3 +27,12 @@ def tiny_pair(tmp_path_factory) -> tuple[str, str]:
     from tiny_models import build_tiny_pair
 
     return build_tiny_pair(tmp_path_factory.mktemp("tiny-pair"))
+
+
+@pytest.fixture(scope="session")
+def served(tiny_pair, tmp_path_factory) -> dict:
+    """The plain, sync and async `vllm serve` runs shared by test_serve_features.py and test_faults.py
+    (serve_cases.run_servers): three server start-ups for both files."""
+    from serve_cases import run_servers
+
+    return run_servers(tiny_pair, tmp_path_factory.mktemp("serve"))

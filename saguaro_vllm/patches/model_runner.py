@@ -4,7 +4,7 @@
   by the real request id;
 - after it: the exact proposal probabilities of sampled drafts, handed to the rejection sampler through the
   runner's own draft-probability slot (`_draft_probs`, as vLLM's built-in model drafters do);
-- finished requests, so the drafter frees their state at once.
+- finished requests, so the drafter frees their state at once (also when the engine goes idle).
 Every wrapper is a no-op unless the runner's drafter is a Saguaro proposer.
 """
 from __future__ import annotations
@@ -47,6 +47,8 @@ def wrap_update_states(original):
         drafter = _saguaro_drafter(self)
         if drafter is not None and scheduler_output.finished_req_ids:
             drafter.on_requests_finished(scheduler_output.finished_req_ids)
+            if not scheduler_output.total_num_scheduled_tokens:  # no propose this step: tell the drafter now
+                drafter.flush_finished()
         return original(self, scheduler_output)
 
     return _update_states
