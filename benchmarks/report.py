@@ -246,12 +246,20 @@ def soak_section(data: dict) -> list[str]:
            f"| {s['requests']} | {data['errors']} | {fmt(s['tokens_per_s'], '.1f')} | "
            f"{fmt(s['latency_s']['p50'])} / {fmt(s['latency_s']['p99'])} | {fmt(s['ttft_s']['p50'])} / "
            f"{fmt(s['ttft_s']['p99'])} | {ms(s['tpot_s']['p50'])} / {ms(s['tpot_s']['p99'])} |", ""]
+    gap = s.get("max_chunk_gap_s")
+    if gap:
+        out += [f"- longest wait between two chunks of one stream: p50 {fmt(gap['p50'])} s, p99 {fmt(gap['p99'])} s, "
+                f"max {fmt(gap['max'])} s"]
     if kill:
-        back = kill["recovered_after_s"]
-        out += [f"- drafter SIGKILL at {kill['at_s']:.0f} s: restarts counted on /metrics: "
-                f"{fmt(kill['restarts'], '.0f', dash='none (no such metric)')}, steps without drafts counted as "
-                f"failures: {fmt(kill['failed_steps'], '.0f')}, drafts flowing again after "
-                + ("**never**" if back is None else f"{back:.1f} s")]
+        back, ready = kill["recovered_after_s"], kill.get("ready_after_s")
+        states = " -> ".join(f"{st} ({t:+.0f} s)" for t, st in kill.get("states") or [] if st)
+        out += [f"- drafter SIGKILL at {kill['at_s']:.0f} s with {kill.get('requests_in_flight', '?')} requests in "
+                f"flight (their longest wait between two chunks: {fmt(kill.get('in_flight_max_chunk_gap_s'))} s); "
+                f"restarts counted on /metrics: {fmt(kill['restarts'], '.0f', dash='none (no such metric)')}, steps "
+                f"without drafts counted as failures: {fmt(kill['failed_steps'], '.0f')}; new drafter ready after "
+                + ("-" if ready is None else f"{ready:.1f} s") + ", drafts flowing again after "
+                + ("**never**" if back is None else f"{back:.1f} s")
+                + (f"; client states: {states}" if states else "")]
     sp = data["speculation"]
     out += [f"- speculation over the run: acceptance rate {fmt(sp['acceptance_rate'])}, mean acceptance length "
             f"{fmt(sp['mean_acceptance_length'])}, speculation-cache hit rate {fmt(sp['cache_hit_rate'], '.3f')}",

@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import sys
@@ -45,7 +46,6 @@ DRAFTS = "vllm:spec_decode_num_drafts_total"
 #: Counted in the worker (Prometheus multiprocess files, read at scrape time): no lag behind the engine, unlike
 #: vLLM's spec-decode counters, which the API server records when it gets around to the engine's outputs.
 SAGUARO_DRAFT_TOKENS = "vllm:saguaro_draft_tokens_total"
-STATE = "vllm:saguaro_drafter_state"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 RESTARTS = "vllm:saguaro_drafter_restarts_total"
@@ -145,20 +145,24 @@ async def one_request(client, model: str, plan: dict) -> dict:
                                                       **common)
     else:
         stream = await client.completions.create(prompt=plan["prompt"], **common)
+    last, max_gap = None, 0.0
     async for chunk in stream:
         if chunk.choices:
             c = chunk.choices[0]
             text = c.delta.content if plan["chat"] else c.text
-            if text and first is None:
-                first = time.monotonic()
+            if text:
+                now = time.monotonic()
+                first = now if first is None else first
+                max_gap = max(max_gap, now - last) if last is not None else 0.0
+                last = now
             finish = c.finish_reason or finish
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     end = time.monotonic()
     if finish is None or tokens is None:
         raise RuntimeError(f"stream ended without finish_reason/usage (finish={finish}, tokens={tokens})")
-    return {"start": t0, "first": first, "end": end, "tokens": tokens, "finish": finish, "stop": plan["stop"],
-            "chat": plan["chat"], "temperature": plan["body"]["temperature"]}
+    return {"start": t0, "first": first, "end": end, "max_gap": max_gap, "tokens": tokens, "finish": finish,
+            "stop": plan["stop"], "chat": plan["chat"], "temperature": plan["body"]["temperature"]}
 
 
 async def client_loop(idx: int, client, model: str, prompts: list[str], stop_at: float, seed: int,
@@ -176,10 +180,14 @@ async def client_loop(idx: int, client, model: str, prompts: list[str], stop_at:
 
 # ------------------------------------------------------------------------------------------ observing
 
-def metrics(server) -> dict[str, float]:
+def scrape(server) -> tuple[dict[str, float], str | None]:
+    """/metrics summed per sample name over labels, and the drafter client's state (the label of
+    `vllm:saguaro_drafter_state` that is 1; None where the gauge is absent)."""
     from saguaro_vllm.demo_run import metric_values
 
-    return metric_values(server.metrics_text())
+    text = server.metrics_text()
+    states = re.findall(r'^vllm:saguaro_drafter_state\{state="(\w+)"\} 1(?:\.0)?$', text, re.M)
+    return metric_values(text), (states[0] if len(states) == 1 else None)
 
 
 def memory_mb(server) -> dict[str, float]:
@@ -233,6 +241,8 @@ def summarize(done: list[dict], traffic_s: float) -> dict:
         finishes[r["finish"]] = finishes.get(r["finish"], 0) + 1
     return {"requests": len(done), "tokens": tokens, "tokens_per_s": tokens / traffic_s if traffic_s else None,
             "latency_s": figures(lat), "ttft_s": figures(ttft), "tpot_s": figures(tpot),
+            "max_chunk_gap_s": figures([r["max_gap"] for r in done]) | {"max": max((r["max_gap"] for r in done),
+                                                                            default=None)},
             "by_stop_condition": kinds, "finish_reasons": finishes,
             "chat_requests": sum(r["chat"] for r in done),
             "sampled_requests": sum(r["temperature"] > 0 for r in done)}
@@ -257,10 +267,10 @@ async def soak(a: argparse.Namespace, server, model_name: str, prompts: list[str
     while time.monotonic() < stop_at:
         await asyncio.sleep(1.0)
         now = time.monotonic() - start
-        m = await asyncio.to_thread(metrics, server)
+        m, state = await asyncio.to_thread(scrape, server)
         drafters = [p.pid for role, p in server.processes() if role == "drafter"]
         polls.append({"t": round(now, 2), "requests": len(done), "tokens": sum(r["tokens"] for r in done),
-                      "errors": len(errors), "drafts": m.get(SAGUARO_DRAFT_TOKENS, 0.0), "state": m.get(STATE),
+                      "errors": len(errors), "drafts": m.get(SAGUARO_DRAFT_TOKENS, 0.0), "state": state,
                       "restarts": m.get(RESTARTS), "failures": m.get(FAILURES, 0.0), "drafters": drafters})
         if "memory_start" not in events and now >= a.warmup_s:
             events["memory_start"] = {"t": round(now, 2), "mb": memory_mb(server)}
@@ -281,17 +291,28 @@ async def soak(a: argparse.Namespace, server, model_name: str, prompts: list[str
     if pending:
         errors.append(f"{len(pending)} clients still had a request in flight {a.drain_s:.0f} s after the end")
     drain_s = time.monotonic() - start - traffic_s
-    final = await asyncio.to_thread(metrics, server)
-    return {"done": done, "errors": errors, "polls": polls, "events": events, "traffic_s": traffic_s,
+    final, _ = await asyncio.to_thread(scrape, server)
+    return {"done": done, "errors": errors, "polls": polls, "events": events, "start": start, "traffic_s": traffic_s,
             "drain_s": drain_s, "metrics": final}
 
 
-def recovery(polls: list[dict], kill: dict | None) -> dict | None:
-    """When drafts flowed again after the kill: the first poll interval that began after the kill in which
-    the proposer received draft tokens (the killed drafter cannot have produced those)."""
+def recovery(polls: list[dict], kill: dict | None, done: list[dict], start: float) -> dict | None:
+    """What the kill cost: the longest wait between two chunks of the requests in flight at the kill, when
+    the client was `ready` again with a new drafter, and when drafts flowed again (the first poll interval that
+    began after the kill in which the proposer received draft tokens: the killed drafter cannot have made them)."""
     if not kill:
         return None
-    out = {"killed_pid": kill["pid"], "at_s": kill["t"], "recovered_after_s": None, "new_pid": None}
+    at = start + kill["t"]
+    hit = [r for r in done if r["start"] <= at <= r["end"]]
+    out = {"killed_pid": kill["pid"], "at_s": kill["t"], "ready_after_s": None, "recovered_after_s": None,
+           "new_pid": None, "states": [], "requests_in_flight": len(hit),
+           "in_flight_max_chunk_gap_s": max((r["max_gap"] for r in hit), default=None)}
+    for p in polls:
+        if p["t"] >= kill["t"] and (not out["states"] or out["states"][-1][1] != p["state"]):
+            out["states"].append((round(p["t"] - kill["t"], 2), p["state"]))  # the client's states after the kill
+        if p["t"] > kill["t"] and out["ready_after_s"] is None and p["state"] == "ready" and p["drafters"] \
+                and p["drafters"][0] != kill["pid"]:
+            out["ready_after_s"] = round(p["t"] - kill["t"], 2)
     for prev, cur in zip(polls, polls[1:]):
         if prev["t"] >= kill["t"] and cur["drafts"] > prev["drafts"]:
             out["recovered_after_s"] = round(cur["t"] - kill["t"], 2)
@@ -383,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         "startup_s": round(startup_s, 1), "traffic_s": round(run["traffic_s"], 1), "drain_s": round(run["drain_s"], 1),
         "summary": summarize(run["done"], run["traffic_s"]),
         "errors": len(run["errors"]), "error_samples": run["errors"][:20],
-        "kill": recovery(run["polls"], run["events"].get("kill")),
+        "kill": recovery(run["polls"], run["events"].get("kill"), run["done"], run["start"]),
         "speculation": speculation(run["metrics"]),
         "memory": memory_growth(run["events"]),
         "load": {"loadavg_before": load_before, "loadavg_after": load_after,
