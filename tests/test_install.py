@@ -24,8 +24,8 @@ def test_plugin_entry_point_is_discoverable():
 
 
 def test_vllm_cli_works():
-    version = subprocess.run([str(VENV_BIN / "vllm"), "--version"], capture_output=True, text=True, check=True)
-    assert version.stdout.strip().splitlines()[-1].startswith("0.32")
+    # (one CLI start-up, ~13 s on 2 cores: the version comes from the package metadata)
+    assert md.version("vllm").startswith("0.32")
     help_ = subprocess.run([str(VENV_BIN / "vllm"), "serve", "--help=speculative-config"], capture_output=True, text=True,
                            check=True)
     assert "--speculative-config" in help_.stdout
