@@ -28,7 +28,6 @@ import datetime
 import json
 import os
 import random
-import re
 import signal
 import statistics
 import sys
@@ -183,11 +182,10 @@ async def client_loop(idx: int, client, model: str, prompts: list[str], stop_at:
 def scrape(server) -> tuple[dict[str, float], str | None]:
     """/metrics summed per sample name over labels, and the drafter client's state (the label of
     `vllm:saguaro_drafter_state` that is 1; None where the gauge is absent)."""
-    from saguaro_vllm.demo_run import metric_values
+    from saguaro_vllm.server_process import drafter_state, metric_totals
 
-    text = server.metrics_text()
-    states = re.findall(r'^vllm:saguaro_drafter_state\{state="(\w+)"\} 1(?:\.0)?$', text, re.M)
-    return metric_values(text), (states[0] if len(states) == 1 else None)
+    samples = server.metric_samples()
+    return metric_totals(samples), drafter_state(samples)
 
 
 def memory_mb(server) -> dict[str, float]:

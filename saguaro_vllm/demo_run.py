@@ -8,7 +8,6 @@ client, prints the answers and the speculation statistics from the server's `/me
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 import time
 from pathlib import Path
@@ -28,10 +27,9 @@ def link_demo_pair(root: Path) -> Path:
 
 def metric_values(text: str) -> dict[str, float]:
     """Sum each sample name of a Prometheus text page over its labels."""
-    out: dict[str, float] = {}
-    for m in re.finditer(r"^([a-zA-Z_:][\w:]*)(?:\{[^}]*\})? ([-+0-9.eEinfNa]+)$", text, re.M):
-        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-    return out
+    from saguaro_vllm.server_process import metric_samples, metric_totals
+
+    return metric_totals(metric_samples(text))
 
 
 def speculation_summary(metrics: dict[str, float], k: int) -> list[str]:

@@ -139,6 +139,22 @@ def metric_samples(text: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in _SAMPLE.finditer(text)}
 
 
+def metric_totals(samples: dict[str, float]) -> dict[str, float]:
+    """Each sample name of `metric_samples` summed over its labels."""
+    out: dict[str, float] = {}
+    for key, value in samples.items():
+        name = key.split("{", 1)[0]
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def drafter_state(samples: dict[str, float]) -> str | None:
+    """The drafter client's state: the label of `vllm:saguaro_drafter_state` that is 1 (None if not one)."""
+    prefix = 'vllm:saguaro_drafter_state{state="'
+    states = [k[len(prefix):].split('"', 1)[0] for k, v in samples.items() if k.startswith(prefix) and v == 1]
+    return states[0] if len(states) == 1 else None
+
+
 def process_role(name: str, cmdline: list[str]) -> str:
     """What a process under `vllm serve` is, from vLLM's process titles and the drafter's module name."""
     if "saguaro_vllm.drafter.server" in " ".join(cmdline):

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from pathlib import Path
 
 import serve_faults
-from saguaro_vllm.server_process import VLLMServer
+from saguaro_vllm.server_process import VLLMServer, metric_totals
 
 K = 4
 MAX_TOKENS_LARGE = 300
@@ -77,10 +77,8 @@ def _error(call: Callable[[], Any]) -> dict:
 
 
 def _value(samples: dict[str, float], name: str) -> float:
-    """Sum of a metric over its labels (exact key if it has labels)."""
-    if "{" in name:
-        return samples.get(name, 0.0)
-    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+    """A metric summed over its labels."""
+    return metric_totals(samples).get(name, 0.0)
 
 
 def _poll(server: VLLMServer, name: str, want: float, timeout_s: float = 30.0) -> float:

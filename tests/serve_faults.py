@@ -11,7 +11,6 @@ few seconds longer than a healthy one and no stream waits more than MAX_GAP_S be
 from __future__ import annotations
 
 import dataclasses
-import re
 import signal
 import threading
 import time
@@ -20,8 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from saguaro_vllm.demo_run import metric_values
-from saguaro_vllm.server_process import VLLMServer
+from saguaro_vllm.server_process import VLLMServer, drafter_state, metric_totals
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps", "import os\nimport sys\nprint(", "for i in range(10):",
            "class Point:\n    def __init__(self, x, y):", "print(os.getcwd()", "The lazy dog", "return a + b"]
@@ -46,17 +44,11 @@ FAULTS = [("sigkill", "async", 1), ("sigstop", "async", 1), ("raising", "async",
 
 def metrics(server: VLLMServer) -> dict[str, float]:
     """The server's /metrics, each sample name summed over its labels."""
-    return metric_values(server.metrics_text())
+    return metric_totals(server.metric_samples())
 
 
 def _total(samples: dict[str, float], name: str) -> float:
     return samples.get(name, 0.0)
-
-
-def drafter_state(server: VLLMServer) -> str | None:
-    """The drafter client's state, from the `vllm:saguaro_drafter_state{state=...}` gauge set to 1."""
-    found = re.findall(r'^vllm:saguaro_drafter_state\{state="(\w+)"\} 1(?:\.0)?$', server.metrics_text(), re.M)
-    return found[0] if len(found) == 1 else None
 
 
 @dataclasses.dataclass
@@ -182,7 +174,8 @@ def check_fault(server: VLLMServer, reference: list[str], inject, *, restarts: i
     assert not resumed.errors and resumed.texts == reference, resumed.errors
     assert _total(m4, DRAFT_TOKENS) > _total(m3, DRAFT_TOKENS), "no drafts after recovery"
     assert _total(m4, ACCEPTED) > _total(m3, ACCEPTED), "speculation did not resume"
-    assert drafter_state(server) == "ready", drafter_state(server)
+    state = drafter_state(server.metric_samples())
+    assert state == "ready", state
     assert _total(m4, RESTARTS) - _total(m1, RESTARTS) == restarts, saguaro_log(server)
     return {"healthy_s": healthy_s, "faulty_s": seconds, "longest_gap_s": gap,
             "failed_steps": _total(m2, FAILURES) - _total(m1, FAILURES),

@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import pytest
 
-from serve_faults import FAULTS, MAX_GAP_S
+from serve_faults import FAULTS
 
 pytestmark = pytest.mark.engine
 
 
-@pytest.mark.parametrize(("fault", "mode", "restarts"), FAULTS, ids=[f"{f}-{m}" for f, m, _ in FAULTS])
-def test_fault_mid_batch(served, fault, mode, restarts):
+@pytest.mark.parametrize(("fault", "mode"), [(f, m) for f, m, _ in FAULTS], ids=[f"{f}-{m}" for f, m, _ in FAULTS])
+def test_fault_mid_batch(served, fault, mode):
     result = served["faults"][f"{fault}-{mode}"]
     assert "error" not in result, result["error"]
-    figures = result["figures"]
-    print(f"[faults] {fault} ({mode}): {figures}")
-    # what check_fault asserted, restated where the test names it
-    assert figures["failed_steps"] >= 1 and figures["restarts"] == restarts
-    assert figures["longest_gap_s"] < MAX_GAP_S and figures["accepted_after"] > 0
+    print(f"[faults] {fault} ({mode}): {result['figures']}")  # the assertions ran in serve_faults.check_fault
