@@ -52,6 +52,7 @@ FAILURES = "vllm:saguaro_drafter_failures_total"
 LOOKUPS = "vllm:saguaro_cache_lookups_total"
 HITS = "vllm:saguaro_cache_hits_total"
 MEMORY_GROWTH_LIMIT = 0.05
+MEMORY_EVERY_POLLS = 10  # one memory sample per 10 polls (~10 s)
 TEMPERATURES = (0.0, 0.0, 0.7, 1.0)
 LENGTHS = (8, 32, 64, 128, 256)
 TINY_PROMPTS = ["def add(a, b):", "The quick brown fox jumps", "import os\nimport sys\nprint(", "for i in range(10):",
@@ -270,8 +271,11 @@ async def soak(a: argparse.Namespace, server, model_name: str, prompts: list[str
         polls.append({"t": round(now, 2), "requests": len(done), "tokens": sum(r["tokens"] for r in done),
                       "errors": len(errors), "drafts": m.get(SAGUARO_DRAFT_TOKENS, 0.0), "state": state,
                       "restarts": m.get(RESTARTS), "failures": m.get(FAILURES, 0.0), "drafters": drafters})
-        if "memory_start" not in events and now >= a.warmup_s:
-            events["memory_start"] = {"t": round(now, 2), "mb": memory_mb(server)}
+        if len(polls) % MEMORY_EVERY_POLLS == 0 or ("memory_start" not in events and now >= a.warmup_s):
+            sample = {"t": round(now, 2), "mb": memory_mb(server), "drafter_pid": drafters[0] if drafters else None}
+            events.setdefault("memory_samples", []).append(sample)
+            if "memory_start" not in events and now >= a.warmup_s:
+                events["memory_start"] = sample
         if a.kill_at is not None and not killed and now >= a.kill_at:
             victim = drafters[0] if drafters else None
             if victim is not None:
@@ -280,7 +284,10 @@ async def soak(a: argparse.Namespace, server, model_name: str, prompts: list[str
             killed = True
         bar.update(min(int(now), int(a.duration)) - bar.n)
         bar.set_postfix(done=len(done), err=len(errors), tok_s=f"{polls[-1]['tokens'] / now:.0f}")
-    events["memory_end"] = {"t": round(time.monotonic() - start, 2), "mb": memory_mb(server)}
+    drafters = [p.pid for role, p in server.processes() if role == "drafter"]
+    events["memory_end"] = {"t": round(time.monotonic() - start, 2), "mb": memory_mb(server),
+                            "drafter_pid": drafters[0] if drafters else None}
+    events.setdefault("memory_samples", []).append(events["memory_end"])
     traffic_s = time.monotonic() - start
     bar.close()
     _, pending = await asyncio.wait(tasks, timeout=a.drain_s)
@@ -323,14 +330,46 @@ def recovery(polls: list[dict], kill: dict | None, done: list[dict], start: floa
     return out
 
 
-def memory_growth(events: dict) -> dict:
-    start, end = events.get("memory_start", {}).get("mb", {}), events["memory_end"]["mb"]
-    growth = {role: round((end[role] - start[role]) / start[role], 4) for role in start if role in end and start[role]}
-    total_s, total_e = sum(start.values()), sum(end.values())
-    return {"start_mb": start, "end_mb": end, "start_t_s": events.get("memory_start", {}).get("t"),
-            "end_t_s": events["memory_end"]["t"], "growth": growth,
+def memory_growth(events: dict, warmup_s: float, kill: dict | None = None) -> dict:
+    """Resident memory growth per role from the sample after the warm-up to the end (< 5 % each).
+
+    A drafter killed mid-run is replaced by a new process: its growth is measured from the replacement's
+    own first sample at least `warmup_s` after it was ready (comparing two processes would measure the
+    restart, not a leak). `second_half_growth` (midpoint of the measured span to the end) tells a
+    warm-up step from a steady leak. Every sample is kept in `samples` (one per 10 s).
+    """
+    samples = events.get("memory_samples", [])
+    start, end = events.get("memory_start", {}), events["memory_end"]
+    begin = {role: (start.get("t"), mb) for role, mb in start.get("mb", {}).items()}
+    notes = {}
+    if "drafter" in begin and start.get("drafter_pid") != end.get("drafter_pid"):
+        ready_t = (kill or {}).get("at_s", 0.0) + ((kill or {}).get("ready_after_s") or 0.0)
+        own = [x for x in samples if x.get("drafter_pid") == end.get("drafter_pid") and "drafter" in x["mb"]
+               and x["t"] >= ready_t + warmup_s and x is not end]
+        if own:
+            begin["drafter"] = (own[0]["t"], own[0]["mb"]["drafter"])
+            notes["drafter"] = (f"replacement drafter (pid {end.get('drafter_pid')}) from {own[0]['t']:.0f} s, "
+                                f"{warmup_s:.0f} s after it was ready")
+        else:
+            del begin["drafter"]
+            notes["drafter"] = "replacement drafter ran shorter than the warm-up: not measured"
+    growth, second_half = {}, {}
+    for role, (t0, mb0) in begin.items():
+        if role not in end["mb"] or not mb0:
+            continue
+        growth[role] = round((end["mb"][role] - mb0) / mb0, 4)
+        mid_t = (t0 + end["t"]) / 2
+        mid = next((x["mb"][role] for x in samples if x["t"] >= mid_t and role in x["mb"]
+                    and (role != "drafter" or x.get("drafter_pid") == end.get("drafter_pid"))), None)
+        if mid:
+            second_half[role] = round((end["mb"][role] - mid) / mid, 4)
+    total_s, total_e = sum(start.get("mb", {}).values()), sum(end["mb"].values())
+    return {"start_mb": start.get("mb", {}), "end_mb": end["mb"], "start_t_s": start.get("t"),
+            "end_t_s": end["t"], "from": {role: t for role, (t, _) in begin.items()}, "notes": notes,
+            "growth": growth, "second_half_growth": second_half,
             "total_growth": round((total_e - total_s) / total_s, 4) if total_s else None,
-            "ok": bool(growth) and all(g < MEMORY_GROWTH_LIMIT for g in growth.values())}
+            "ok": bool(growth) and all(g < MEMORY_GROWTH_LIMIT for g in growth.values()),
+            "samples": [{"t": x["t"], "drafter_pid": x.get("drafter_pid"), **x["mb"]} for x in samples]}
 
 
 def speculation(m: dict[str, float]) -> dict:
@@ -385,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
         log_tail = [ln for ln in log.read_text(errors="replace").splitlines() if "Saguaro" in ln][-30:]
+    kill = recovery(run["polls"], run["events"].get("kill"), run["done"], run["start"])
     others = {}
     for pid, (cmd, cpu) in cpu_end.items():
         if pid in own:
@@ -402,9 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         "startup_s": round(startup_s, 1), "traffic_s": round(run["traffic_s"], 1), "drain_s": round(run["drain_s"], 1),
         "summary": summarize(run["done"], run["traffic_s"]),
         "errors": len(run["errors"]), "error_samples": run["errors"][:20],
-        "kill": recovery(run["polls"], run["events"].get("kill"), run["done"], run["start"]),
+        "kill": kill,
         "speculation": speculation(run["metrics"]),
-        "memory": memory_growth(run["events"]),
+        "memory": memory_growth(run["events"], a.warmup_s, kill),
         "load": {"loadavg_before": load_before, "loadavg_after": load_after,
                  "other_processes_cpu_s": dict(sorted(others.items(), key=lambda kv: -kv[1])[:15]),
                  "other_cpu_s_total": round(sum(others.values()), 1)},

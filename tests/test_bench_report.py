@@ -118,3 +118,32 @@ def test_ssd_figures_read_the_labelled_samples():
     assert f["backups"] == {"jit": 1.0, "ngram": 0.0} and f["lookups"] == 10.0
     assert f["drafter_wait_ms"] == pytest.approx(50.0) and f["drafter_compute_ms"] == pytest.approx(20.0)
     assert f["predraft_ms"] == pytest.approx(150.0) and f["verify_ms"] == pytest.approx(200.0)
+
+
+def _soak():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # soak.py imports run.machine_info as `run`
+    try:
+        return _load("soak")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_soak_memory_growth_measures_a_replaced_drafter_from_its_own_warmup():
+    soak = _soak()
+
+    def sample(t, pid, drafter, worker):
+        return {"t": t, "drafter_pid": pid, "mb": {"drafter": drafter, "worker": worker}}
+
+    samples = [sample(10, 1, 900, 1000), sample(30, 1, 1000, 1010), sample(60, 1, 1010, 1020),
+               sample(90, 2, 700, 1030), sample(120, 2, 1100, 1040), sample(150, 2, 1110, 1045)]
+    end = sample(180, 2, 1120, 1048)
+    events = {"memory_samples": [*samples, end], "memory_start": samples[1], "memory_end": end}
+    got = soak.memory_growth(events, warmup_s=30, kill={"at_s": 70, "ready_after_s": 15})
+    # worker: from its warm-up sample (t=30); drafter: the replacement's first sample >= 85 + 30 s (t=120)
+    assert got["from"] == {"drafter": 120, "worker": 30}
+    assert got["growth"] == {"drafter": round(20 / 1100, 4), "worker": round(38 / 1010, 4)} and got["ok"]
+    assert got["second_half_growth"]["drafter"] == round(10 / 1110, 4)  # midpoint 150 s
+    assert "replacement drafter" in got["notes"]["drafter"] and len(got["samples"]) == 7
+    leaking = {**events, "memory_end": sample(180, 2, 1120, 1200)}
+    leaking["memory_samples"] = [*samples, leaking["memory_end"]]
+    assert not soak.memory_growth(leaking, 30, {"at_s": 70, "ready_after_s": 15})["ok"]
