@@ -17,7 +17,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not engine"
 
 # Every case of benchmarks/cases.json (about 2 hours on 2 cores), then docs/benchmarks.md and plots.
-BENCH_CASES ?= cost-matrix cost-equal-cores raw-b1 sweep-scale sweep-scale-top-f1 finish-predraft
+BENCH_CASES ?= cost-matrix temperature cost-equal-cores raw-b1 sweep-scale sweep-scale-top-f1 finish-predraft
 bench: setup
 	for c in $(BENCH_CASES); do $(PY) benchmarks/run.py --case $$c || exit 1; done
 	$(PY) benchmarks/report.py

@@ -70,6 +70,61 @@ def table_rows(data: dict) -> dict[tuple[int, float], dict[str, dict]]:
     return out
 
 
+def ratio_ci(a: list[float], b: list[float], n_boot: int = 4000, seed: int = 0,
+             level: float = 0.95) -> tuple[float, float, float] | None:
+    """mean(a) / mean(b) with a paired bootstrap interval over requests (a[i] and b[i]: the same prompt,
+    seed and round in two engines). None with fewer than 2 pairs."""
+    import random
+
+    n = min(len(a), len(b))
+    if n < 2 or not sum(b[:n]):
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(n_boot):
+        idx = [rng.randrange(n) for _ in range(n)]
+        den = sum(b[i] for i in idx)
+        if den:
+            ratios.append(sum(a[i] for i in idx) / den)
+    ratios.sort()
+    lo = ratios[int((1 - level) / 2 * len(ratios))]
+    hi = ratios[min(len(ratios) - 1, int((1 + level) / 2 * len(ratios)))]
+    return sum(a[:n]) / sum(b[:n]), lo, hi
+
+
+def paired_speeds(data: dict, engine: str, batch: int, t: float) -> list[float]:
+    """Per-request tokens/s of one engine in one cell, ordered by (round, prompt) so engines pair up."""
+    runs = sorted((r for r in data["results"] if family(r["engine"]) == engine and r["batch"] == batch
+                   and r["temperature"] == t and r.get("per_seq_tok_s")), key=lambda r: r["round"])
+    if engine == "vllm-draft_model" and runs:  # the best K only, as in the tables
+        best = max({r["engine"] for r in runs}, key=lambda e: mean(
+            r["decode_tok_s_per_seq"] for r in runs if r["engine"] == e))
+        runs = [r for r in runs if r["engine"] == best]
+    return [v for r in runs for v in r["per_seq_tok_s"]]
+
+
+def interval_table(data: dict, rows) -> list[str]:
+    """SSD's speed ratios with 95 % paired-bootstrap intervals; a difference is called real only when the
+    interval excludes 1."""
+    pairs = [("saguaro-sync", "`sync`"), ("vllm-draft_model", "`draft_model`"), ("vllm-ar", "AR")]
+    lines = []
+    for (b, t) in rows:
+        ssd = paired_speeds(data, "saguaro-async", b, t)
+        for other, label in pairs:
+            got = ratio_ci(ssd, paired_speeds(data, other, b, t))
+            if got is None:
+                continue
+            r, lo, hi = got
+            verdict = "SSD faster" if lo > 1 else ("SSD slower" if hi < 1 else "not distinguishable")
+            lines.append(f"| {b} | {t:g} | SSD / {label} | {r:.2f}x | [{lo:.2f}, {hi:.2f}] | "
+                         f"{min(len(ssd), len(paired_speeds(data, other, b, t)))} | {verdict} |")
+    if not lines:
+        return []
+    return ["", "Speed ratios with 95 % intervals (paired bootstrap over requests: same prompt, seed and round "
+            "in both engines):", "", "| batch | T | ratio | value | 95 % interval | requests | verdict |",
+            "|---:|---:|---|---:|---|---:|---|", *lines]
+
+
 def fmt(v, spec=".2f", dash="-"):
     return dash if v is None else format(v, spec)
 
@@ -368,7 +423,7 @@ def render(results: list[dict]) -> str:
             out += sweep_section(data) + [""]
             continue
         rows = table_rows(data)
-        out += case_table(data, rows) + [""]
+        out += case_table(data, rows) + interval_table(data, rows) + [""]
         checks = bars(rows)
         if checks:
             out += ["Bars of the benchmark issue on this result:", ""] + checks + [""]

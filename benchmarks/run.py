@@ -122,7 +122,12 @@ def worker(req_path: str, out_path: str) -> None:
         return {m.name: getattr(m, "value", 0) for m in llm.get_metrics()
                 if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
 
+    def per_pos():
+        return next((list(m.values) for m in llm.get_metrics()
+                     if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos" and hasattr(m, "values")), [])
+
     before = counters()
+    before_pos = per_pos()
     before_saguaro = saguaro_samples()
     per_seq, totals, ttfts = [], [], []
     prompts = r["prompts"]
@@ -141,6 +146,8 @@ def worker(req_path: str, out_path: str) -> None:
         totals.append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
     after = counters()
     d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    after_pos = per_pos()
+    pos = [a - (before_pos[i] if i < len(before_pos) else 0) for i, a in enumerate(after_pos)]
     after_saguaro = saguaro_samples()
     sg = {k: v - before_saguaro.get(k, 0.0) for k, v in after_saguaro.items()}
     drafts = d.get("vllm:spec_decode_num_drafts", 0)
@@ -148,12 +155,24 @@ def worker(req_path: str, out_path: str) -> None:
     dtoks = d.get("vllm:spec_decode_num_draft_tokens", 0)
     Path(out_path).write_text(json.dumps({
         "decode_tok_s_per_seq": statistics.mean(per_seq), "total_tok_s": statistics.mean(totals),
+        "per_seq_tok_s": per_seq,  # per request, in prompt order: pairs with other engines' for intervals
         "ttft_s": statistics.mean(ttfts) if ttfts else None,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
         "acceptance_rate": accepted / dtoks if dtoks else None, "drafts": drafts,
+        "accepted_per_pos": pos, "per_token_acceptance": per_token_acceptance(drafts, pos),
         "peak_memory_mb": peak_memory_mb(),
         **ssd_figures(sg),
     }))
+
+
+def per_token_acceptance(drafts: float, accepted_per_pos: list[float]) -> float | None:
+    """P(accept a draft token | every earlier one of its draft was accepted): the per-token rate `a` of
+    `(1 - a^(K+1)) / (1 - a)`. Position i is reached by the drafts that accepted positions < i, so this is
+    sum_i accepted[i] / (drafts + sum_{i<K-1} accepted[i]); exact for engines that always draft K tokens
+    (vLLM `draft_model`), a lower bound where some drafts are shorter."""
+    if not drafts or not accepted_per_pos:
+        return None
+    return sum(accepted_per_pos) / (drafts + sum(accepted_per_pos[:-1]))
 
 
 def ssd_figures(delta: dict[str, float]) -> dict:

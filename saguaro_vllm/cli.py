@@ -36,6 +36,9 @@ def _add_make_demo_pair(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cost-matched", action="store_true",
                    help="skip the zero-padded cost-matched models (saves ~1.8 GB and about a minute)")
     p.add_argument("--corpus", help="directory of .py files to train on (default: this interpreter's stdlib)")
+    p.add_argument("--distill", choices=("soft", "hard"), default="soft",
+                   help="draft distillation: 'soft' learns the target's next-token distributions (default, "
+                   "demo pair v2); 'hard' learns its greedy tokens (the v1 recipe, for comparison)")
     p.add_argument("--threads", type=int, help="torch threads for the build (default: torch's default)")
 
 
@@ -54,6 +57,7 @@ def _run_make_demo_pair(args: argparse.Namespace) -> int:
             target_shape=ModelShape.parse(args.target_shape) if args.target_shape else TARGET_SHAPE,
             draft_shape=ModelShape.parse(args.draft_shape) if args.draft_shape else DRAFT_SHAPE,
             corpus=args.corpus,
+            distill=args.distill,
             cost_matched=not args.no_cost_matched,
             target_scale=args.target_scale,
             draft_scale=args.draft_scale,
@@ -76,7 +80,8 @@ def _run_make_demo_pair(args: argparse.Namespace) -> int:
 
 def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="speculative config JSON (default: configs/saguaro-cpu-demo.json)")
-    p.add_argument("--max-tokens", type=int, default=96, help="tokens per answer (default 96)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer (default 64)")
+    p.add_argument("--prompts", type=int, default=2, help="held-out prompts per temperature (default 2)")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -84,7 +89,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     from .demo_run import REPO_CONFIG, run_demo
 
-    return run_demo(Path(args.config) if args.config else REPO_CONFIG, max_tokens=args.max_tokens)
+    return run_demo(Path(args.config) if args.config else REPO_CONFIG, max_tokens=args.max_tokens,
+                    num_prompts=args.prompts)
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
@@ -110,7 +116,7 @@ SUBCOMMANDS: dict[str, tuple[str, AddArgs, Run]] = {
         _run_bench,
     ),
     "demo": (
-        "serve the demo pair with Saguaro (vllm serve), send a completion and a chat request, print stats",
+        "the same prompts through plain vLLM and Saguaro (vllm serve, demo pair): tokens/s, speedup, hit rate",
         _add_demo,
         _run_demo,
     ),

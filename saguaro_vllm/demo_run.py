@@ -1,19 +1,28 @@
-"""`make demo` / `saguaro-vllm demo`: serve the locally trained demo pair with Saguaro and talk to it.
+"""`make demo` / `saguaro-vllm demo`: the same prompts through plain vLLM and through Saguaro (SSD), side by side.
 
-Builds the demo pair if it is not cached, points `~/.cache/saguaro-vllm/demo` at it (the path
-`configs/saguaro-cpu-demo.json` names), starts `vllm serve <target> --speculative-config
-configs/saguaro-cpu-demo.json` on 127.0.0.1, sends one completion and one chat request with the `openai`
-client, prints the answers and the speculation statistics from the server's `/metrics`, and stops it.
+Builds the demo pair if it is not cached (cost-matched models included: their draft/target step-time ratio
+is that of real serving pairs, see docs/demo-pair.md), points `~/.cache/saguaro-vllm/demo` at it (the path
+`configs/saguaro-cpu-demo.json` names), then runs two `vllm serve` processes on 127.0.0.1 one after the
+other: plain vLLM with the whole server on one core, and Saguaro `mode: async` (its target worker on that
+core, the drafter on another). Each gets the same held-out prompts greedily and sampled (fixed seeds),
+streamed one at a time (batch 1); the demo prints tokens/s of both, the speedup, and the speculation
+figures of each temperature from Saguaro's `/metrics` (cache hit rate, acceptance), and checks that the
+greedy outputs are identical.
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEMO_LINK = Path("~/.cache/saguaro-vllm/demo").expanduser()
 REPO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "saguaro-cpu-demo.json"
+TEMPERATURES = (0.0, 0.7)
+SERVE_ARGS = ["--served-model-name", "demo", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
+              "--max-num-seqs", "4"]
 
 
 def link_demo_pair(root: Path) -> Path:
@@ -32,85 +41,134 @@ def metric_values(text: str) -> dict[str, float]:
     return metric_totals(metric_samples(text))
 
 
-def speculation_summary(metrics: dict[str, float], k: int) -> list[str]:
-    drafts = metrics.get("vllm:spec_decode_num_drafts_total", 0.0)
-    draft_tokens = metrics.get("vllm:spec_decode_num_draft_tokens_total", 0.0)
-    accepted = metrics.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
-    lines = [f"drafts: {drafts:.0f}, draft tokens: {draft_tokens:.0f}, accepted: {accepted:.0f}"]
-    if drafts:
-        lines.append(f"acceptance rate: {accepted / max(draft_tokens, 1):.3f}, "
-                     f"mean acceptance length: {1 + accepted / drafts:.2f} tokens per verification (K={k})")
-    n = metrics.get("vllm:saguaro_drafter_step_seconds_count", 0.0)
-    if n:
-        total = metrics.get("vllm:saguaro_drafter_step_seconds_sum", 0.0)
-        comp = metrics.get("vllm:saguaro_drafter_compute_seconds_sum", 0.0)
-        lines.append(f"drafter steps: {n:.0f}, mean drafter step: {1e3 * total / n:.1f} ms "
-                     f"(drafter compute {1e3 * comp / n:.1f} ms)")
-    lookups = metrics.get("vllm:saguaro_cache_lookups_total", 0.0)
-    if lookups:
-        hits = metrics.get("vllm:saguaro_cache_hits_total", 0.0)
-        lines.append(f"speculation cache: hit rate {hits / lookups:.3f} ({hits:.0f} of {lookups:.0f} lookups), "
-                     f"backups: {metrics.get('vllm:saguaro_backups_total', 0.0):.0f}")
-        rounds = metrics.get("vllm:saguaro_predraft_seconds_count", 0.0)
-        if rounds:
-            pre = metrics.get("vllm:saguaro_predraft_seconds_sum", 0.0) / rounds
-            ver = metrics.get("vllm:saguaro_verify_seconds_sum", 0.0) / rounds
-            lines.append(f"pre-drafting {1e3 * pre:.1f} ms per round vs verification {1e3 * ver:.1f} ms")
+@dataclass
+class Phase:
+    """One engine at one temperature: what the prompts produced and how fast."""
+
+    temperature: float
+    texts: list[str] = field(default_factory=list)
+    tokens: int = 0
+    decode_s: float = 0.0  # first to last token, summed over requests
+    wall_s: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)  # /metrics deltas over the phase
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s else 0.0
+
+
+def speculation_figures(m: dict[str, float]) -> dict[str, float | None]:
+    """Acceptance and speculation-cache figures from /metrics deltas (None where nothing was counted)."""
+    drafts = m.get("vllm:spec_decode_num_drafts_total", 0.0)
+    draft_tokens = m.get("vllm:spec_decode_num_draft_tokens_total", 0.0)
+    accepted = m.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
+    lookups = m.get("vllm:saguaro_cache_lookups_total", 0.0)
+    return {"drafts": drafts, "accepted": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "hit_rate": m.get("vllm:saguaro_cache_hits_total", 0.0) / lookups if lookups else None,
+            "lookups": lookups}
+
+
+def comparison_lines(plain: list[Phase], saguaro: list[Phase], k: int) -> list[str]:
+    """The side-by-side table the demo prints (pure: testable without servers)."""
+    lines = [f"{'':14s} {'plain vLLM':>12s} {'Saguaro async':>14s} {'speedup':>8s} {'hit rate':>9s} "
+             f"{'accept len':>11s} {'accept rate':>12s}  greedy output"]
+    for p, s in zip(plain, saguaro):
+        f = speculation_figures(s.metrics)
+        speedup = f"{s.tok_s / p.tok_s:.2f}x" if p.tok_s else "-"
+        hit = f"{f['hit_rate']:.3f}" if f["hit_rate"] is not None else "-"
+        acc_len = f"{f['mean_acceptance_length']:.2f}" if f["mean_acceptance_length"] else "-"
+        acc = f"{f['acceptance_rate']:.3f}" if f["acceptance_rate"] is not None else "-"
+        same = ("identical" if p.texts == s.texts else "DIFFERENT (a bug)") if p.temperature == 0 else \
+            "(sampled: same distribution, not the same text)"
+        lines.append(f"{'T=' + format(p.temperature, 'g'):14s} {p.tok_s:9.2f} t/s {s.tok_s:11.2f} t/s "
+                     f"{speedup:>8s} {hit:>9s} {acc_len:>11s} {acc:>12s}  {same}")
+    lines.append(f"(tokens/s per request, first to last token, batch 1; accept len = tokens per verification, "
+                 f"K={k})")
     return lines
 
 
-def run_demo(config: Path = REPO_CONFIG, max_tokens: int = 96) -> int:
-    import json
+def _measure(client, server, prompts: list[str], temperature: float, max_tokens: int) -> Phase:
+    phase = Phase(temperature)
+    before = metric_values(server.metrics_text())
+    t_phase = time.monotonic()
+    for i, prompt in enumerate(prompts):
+        first = last = None
+        text, usage = [], None
+        stream = client.completions.create(
+            model="demo", prompt=prompt, max_tokens=max_tokens, temperature=temperature, seed=i, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                now = time.monotonic()
+                first = first or now
+                last = now
+                text.append(chunk.choices[0].text)
+            if chunk.usage:
+                usage = chunk.usage
+        n = usage.completion_tokens if usage else 0
+        phase.texts.append("".join(text))
+        if first is not None and last is not None and last > first and n > 1:
+            phase.tokens += n - 1
+            phase.decode_s += last - first
+    phase.wall_s = time.monotonic() - t_phase
+    after = metric_values(server.metrics_text())
+    phase.metrics = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return phase
 
+
+def _serve(target: Path, args: list[str], prompts: list[str], max_tokens: int, label: str, tmp: Path,
+           cpus: list[int] | None) -> list[Phase]:
     import openai
 
-    from saguaro_vllm.demo.build import ensure_demo_pair
     from saguaro_vllm.server_process import VLLMServer
 
-    pair = ensure_demo_pair(cost_matched=False)
+    log = tmp / f"{label.replace(' ', '-')}.log"
+    server = VLLMServer(str(target), args, log_path=str(log), prometheus_multiproc=True, cpus=cpus,
+                        env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
+    t0 = time.monotonic()
+    print(f"[demo] {label}: vllm serve {target} {' '.join(args)}"
+          + (f" (pinned to cores {cpus})" if cpus else ""), flush=True)
+    try:
+        server.start()
+    except Exception:
+        print(log.read_text()[-4000:] if log.exists() else "")
+        raise
+    try:
+        print(f"[demo] {label}: ready after {time.monotonic() - t0:.0f} s", flush=True)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        client.completions.create(model="demo", prompt=prompts[0], max_tokens=4)  # warm-up
+        phases = []
+        for t in TEMPERATURES:
+            phases.append(_measure(client, server, prompts, t, max_tokens))
+            print(f"[demo] {label}: T={t:g}: {phases[-1].tok_s:.2f} tokens/s", flush=True)
+        return phases
+    finally:
+        server.stop()
+
+
+def run_demo(config: Path = REPO_CONFIG, max_tokens: int = 64, num_prompts: int = 2) -> int:
+    from saguaro_vllm.demo.build import ensure_demo_pair
+    from saguaro_vllm.placement import current_cores
+
+    pair = ensure_demo_pair(cost_matched=True)
     link = link_demo_pair(pair.root)
-    stats = pair.stats
     print(f"[demo] demo pair: {pair.root} (linked at {link})")
-    k = json.loads(config.read_text())["num_speculative_tokens"]
-    prompt = pair.heldout_prompts(1)[0]
+    spec = json.loads(config.read_text())
+    k = spec["num_speculative_tokens"]
+    prompts = pair.heldout_prompts(num_prompts)
+    cpus = current_cores()
+    target = link / "target-cost"
     with tempfile.TemporaryDirectory(prefix="saguaro-demo-") as tmp:
-        prom_dir = Path(tmp) / "prometheus"
-        prom_dir.mkdir()
-        log = Path(tmp) / "server.log"
-        args = ["--speculative-config", str(config), "--served-model-name", "demo", "--dtype", "float32",
-                "--max-model-len", "2048", "--enforce-eager"]
-        print(f"[demo] starting: vllm serve {link / 'target'} {' '.join(args)}")
-        t0 = time.monotonic()
-        try:
-            server = VLLMServer(str(link / "target"), args, log_path=str(log),
-                                env={"PROMETHEUS_MULTIPROC_DIR": str(prom_dir),
-                                     "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
-            server.start()
-        except Exception:
-            print(log.read_text()[-4000:] if log.exists() else "")
-            raise
-        try:
-            print(f"[demo] server ready at {server.url} after {time.monotonic() - t0:.0f} s")
-            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
-            t0 = time.monotonic()
-            comp = client.completions.create(model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0)
-            dt = time.monotonic() - t0
-            print("\n=== completion (greedy) ===\n--- prompt ---\n" + prompt[-300:])
-            print("--- answer ---\n" + comp.choices[0].text)
-            print(f"({comp.usage.completion_tokens} tokens in {dt:.2f} s)")
-            t0 = time.monotonic()
-            chat = client.chat.completions.create(
-                model="demo", messages=[{"role": "user", "content": "def fibonacci(n):"}],
-                max_tokens=max_tokens, temperature=0.7, seed=1)
-            dt = time.monotonic() - t0
-            print("\n=== chat (temperature 0.7) ===\n" + chat.choices[0].message.content)
-            print(f"({chat.usage.completion_tokens} tokens in {dt:.2f} s)")
-            print("\n=== speculation ===")
-            for line in speculation_summary(metric_values(server.metrics_text()), k):
-                print("  " + line)
-            if "agreement" in json.dumps(stats):
-                print(f"  (demo pair build stats: {pair.root / 'stats.json'})")
-        finally:
-            server.stop()
-            print("[demo] server stopped")
-    return 0
+        plain = _serve(target, SERVE_ARGS, prompts, max_tokens, "plain vLLM", Path(tmp), cpus[:1])
+        saguaro = _serve(target, ["--speculative-config", str(config), *SERVE_ARGS], prompts, max_tokens,
+                         "Saguaro", Path(tmp), None)
+    print(f"\n=== {num_prompts} held-out prompts x {max_tokens} tokens, cost-matched demo pair "
+          f"(see docs/demo-pair.md) ===")
+    for line in comparison_lines(plain, saguaro, k):
+        print("  " + line)
+    print("\n--- prompt (end) ---\n" + prompts[0][-200:] + "\n--- Saguaro's greedy answer ---\n" + saguaro[0].texts[0])
+    print(f"\n(demo pair build stats: {pair.root / 'stats.json'})")
+    greedy_ok = all(p.texts == s.texts for p, s in zip(plain, saguaro) if p.temperature == 0)
+    return 0 if greedy_ok else 1

@@ -33,7 +33,8 @@ def vllm_command() -> list[str]:
 
 class VLLMServer:
     def __init__(self, model: str, args: list[str], *, env: dict | None = None, log_path: str | None = None,
-                 startup_timeout_s: float = 600.0, prometheus_multiproc: bool = False):
+                 startup_timeout_s: float = 600.0, prometheus_multiproc: bool = False,
+                 cpus: list[int] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [*vllm_command(), "serve", model, "--host", "127.0.0.1", "--port", str(self.port), *args]
@@ -44,6 +45,7 @@ class VLLMServer:
         if prometheus_multiproc:  # vLLM wants an empty directory per run (stale files skew the metrics)
             self.prometheus_dir = tempfile.mkdtemp(prefix="saguaro-prometheus-")
             self.env["PROMETHEUS_MULTIPROC_DIR"] = self.prometheus_dir
+        self.cpus = cpus  # confine the whole server (every process it starts) to these cores
         self.proc: subprocess.Popen | None = None
         self._log = None
         self._launched_at = 0.0
@@ -62,8 +64,9 @@ class VLLMServer:
     def launch(self) -> None:
         """Start the process without waiting for it (e.g. to boot one server while another one works)."""
         self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        pin = (lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=pin)
         self._launched_at = time.monotonic()
 
     def wait_ready(self) -> None:

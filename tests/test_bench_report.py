@@ -147,3 +147,31 @@ def test_soak_memory_growth_measures_a_replaced_drafter_from_its_own_warmup():
     leaking = {**events, "memory_end": sample(180, 2, 1120, 1200)}
     leaking["memory_samples"] = [*samples, leaking["memory_end"]]
     assert not soak.memory_growth(leaking, 30, {"at_s": 70, "ready_after_s": 15})["ok"]
+
+
+def test_ratio_interval_separates_real_differences_from_noise():
+    import random
+
+    rng = random.Random(1)
+    base = [10 + rng.gauss(0, 2) for _ in range(40)]
+    faster = [1.3 * v + rng.gauss(0, 0.5) for v in base]  # paired: same prompts
+    same = [v + rng.gauss(0, 2) for v in base]
+    r, lo, hi = report.ratio_ci(faster, base)
+    assert 1.25 < r < 1.35 and 1.0 < lo < r < hi
+    r, lo, hi = report.ratio_ci(same, base)
+    assert lo < 1.0 < hi
+    assert report.ratio_ci([1.0], [1.0]) is None
+    data = {"results": [
+        {"engine": "saguaro-async", "batch": 1, "temperature": 0.7, "round": 0, "per_seq_tok_s": faster,
+         "decode_tok_s_per_seq": 13},
+        {"engine": "saguaro-sync", "batch": 1, "temperature": 0.7, "round": 0, "per_seq_tok_s": base,
+         "decode_tok_s_per_seq": 10}]}
+    lines = report.interval_table(data, {(1, 0.7): {}})
+    assert any("SSD / `sync`" in ln and "SSD faster" in ln and "| 40 |" in ln for ln in lines)
+
+
+def test_per_token_acceptance_from_vllm_position_counters():
+    # 100 drafts of K=3 with an i.i.d. rate 0.5: 50 accept position 0, 25 position 1, 12.5 position 2
+    assert run.per_token_acceptance(100, [50, 25, 12.5]) == 0.5
+    assert run.per_token_acceptance(10, [10, 10, 10]) == 1.0
+    assert run.per_token_acceptance(0, []) is None

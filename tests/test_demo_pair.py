@@ -65,9 +65,13 @@ def _prompt_ids(pair, n=4, length=24) -> torch.Tensor:
 def test_build_writes_loadable_hf_models(pair):
     assert read_marker(pair.root)[0] is not None
     stats = json.loads((pair.root / "stats.json").read_text())
-    for key in ("target", "draft", "agreement", "cost_matched"):
+    for key in ("target", "draft", "agreement", "sampled_acceptance", "cost_matched"):
         assert key in stats
     assert 0.0 <= stats["agreement"]["per_token"] <= 1.0
+    assert stats["distill"]["recipe"] == "soft" and stats["distill"]["temperatures"] == [1.0, 0.0]
+    assert stats["distill"]["hard_weight"] == 1.0
+    for temp in ("0.7", "1.0"):
+        assert 0.0 < stats["sampled_acceptance"][temp]["per_token"] < 1.0
     for path in (pair.target, pair.draft, pair.target_cost, pair.draft_cost):
         model = _load(path)
         assert model.config.head_dim == 64 and model.config.tie_word_embeddings
@@ -189,12 +193,73 @@ def test_unreadable_corpus_file_is_named(tmp_path):
 
 
 def test_agreement_of_a_model_with_itself_is_perfect(pair):
-    from saguaro_vllm.demo.distill import measure_agreement, reference_continuations
+    from saguaro_vllm.demo.distill import measure_agreement, measure_sampled_acceptance, reference_continuations
 
-    target = _load(pair.target)
+    target, draft = _load(pair.target), _load(pair.draft)
     seqs = reference_continuations(target, _prompt_ids(pair, n=2, length=16), 20)
     agree = measure_agreement(target, seqs, 16, k=5)
     assert agree.per_token == 1.0 and agree.mean_accept_len == 6.0
+    sampled = reference_continuations(target, _prompt_ids(pair, n=2, length=16), 20, temperature=1.0, seed=1)
+    assert not torch.equal(sampled, seqs)  # sampled, not greedy
+    same = measure_sampled_acceptance(target, target, sampled, 16, 1.0)
+    assert same.per_token == pytest.approx(1.0, abs=1e-5) and same.tokens == 2 * 20
+    other = measure_sampled_acceptance(target, draft, sampled, 16, 1.0)
+    assert 0.0 < other.per_token < 0.999
+
+
+def test_sampled_acceptance_is_the_rejection_sampler_rate():
+    """sum_v min(p, q) is what rejection sampling accepts: checked by simulating it on random models."""
+    from saguaro_vllm.demo.distill import measure_sampled_acceptance
+
+    torch.manual_seed(0)
+    shape = ModelShape(64, 1, 1, 1, 96)
+    p_model, q_model = (transformers.LlamaForCausalLM(shape.hf_config(40, 64, 0)).eval() for _ in range(2))
+    for m in (p_model, q_model):
+        for w in m.parameters():
+            w.data.add_(0.5 * torch.randn_like(w))
+    seqs = torch.randint(0, 40, (2, 12))
+    a = measure_sampled_acceptance(p_model, q_model, seqs, 8, temperature=0.7)
+    with torch.no_grad():
+        p = torch.softmax(p_model(input_ids=seqs).logits[:, 7:-1] / 0.7, -1)
+        q = torch.softmax(q_model(input_ids=seqs).logits[:, 7:-1] / 0.7, -1)
+    gen = torch.Generator().manual_seed(1)
+    n = 20000
+    draws = torch.multinomial(q.reshape(-1, 40), n, replacement=True, generator=gen)  # (positions, n)
+    ratio = (p.reshape(-1, 40).gather(1, draws) / q.reshape(-1, 40).gather(1, draws)).clamp(max=1)
+    simulated = (torch.rand(ratio.shape, generator=gen) < ratio).float().mean().item()
+    assert a.tokens == 8 and 0.05 < a.per_token < 0.95
+    assert simulated == pytest.approx(a.per_token, abs=0.01)  # 8 x 20000 draws: stderr ~0.001
+
+
+def test_soft_label_loss_is_zero_only_for_the_teacher(pair):
+    from saguaro_vllm.demo.distill import SoftLabelLoss
+
+    target, draft = _load(pair.target), _load(pair.draft)
+    loss = SoftLabelLoss(target)
+    ids = _prompt_ids(pair, n=2, length=16)
+    none = torch.zeros(2, dtype=torch.bool)
+    assert loss(target, (ids, none)).item() == pytest.approx(0.0, abs=1e-5)
+    assert loss(draft, (ids, none)).item() > 0.01
+    # the hard term: cross-entropy of the greedy row's tokens after the prompt, weighted by its share
+    hybrid = SoftLabelLoss(target, prompt_len=8, hard_weight=1.0)
+    greedy = torch.tensor([True, False])
+    with torch.no_grad():
+        ce = torch.nn.functional.cross_entropy(target(input_ids=ids[:1]).logits[0, 7:-1], ids[0, 8:])
+    assert hybrid(target, (ids, greedy)).item() == pytest.approx(0.5 * ce.item(), rel=1e-4)
+
+
+def test_hard_recipe_stays_reproducible(tmp_path, tiny_corpus, shrink):
+    """The v1 recipe (greedy hard labels) behind `distill="hard"`: its own cache key and stats."""
+    fast = {k: v for k, v in TINY.items() if "scale" not in k}
+    hard = build.ensure_demo_pair(tmp_path / "hard", corpus=tiny_corpus, cost_matched=False, distill="hard",
+                                  **fast)
+    assert hard.stats["distill"]["recipe"] == "hard" and hard.stats["distill"]["temperatures"] == [0.0]
+    assert hard.stats["draft"]["train_loss_kind"] == "cross-entropy"
+    soft_key = build.BuildSettings(fast["minutes"], fast["seed"], corpus=str(tiny_corpus)).key()
+    hard_key = build.BuildSettings(fast["minutes"], fast["seed"], corpus=str(tiny_corpus), distill="hard").key()
+    assert soft_key != hard_key and read_marker(hard.root)[0]["key"] == hard_key
+    with pytest.raises(DemoPairError, match="--distill must be one of soft, hard"):
+        build.BuildSettings(distill="kl")
 
 
 @pytest.mark.engine

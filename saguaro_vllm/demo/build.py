@@ -36,7 +36,7 @@ from .storage import (
     write_marker,
 )
 
-BUILDER_VERSION = 1  # bump when a build's outputs change for the same settings
+BUILDER_VERSION = 2  # bump when a build's outputs change for the same settings
 TARGET_SHAPE = ModelShape(hidden=192, layers=2, heads=3, kv_heads=3, intermediate=512)
 DRAFT_SHAPE = ModelShape(hidden=128, layers=1, heads=2, kv_heads=2, intermediate=344)
 DEFAULT_MINUTES = 6.5
@@ -62,8 +62,13 @@ class BuildSettings:
     draft_shape: ModelShape = DRAFT_SHAPE
     vocab_size: int = 4096
     corpus: str | None = None  # None: this interpreter's stdlib
+    distill: str = "soft"  # "soft": the target's distributions (v2); "hard": its greedy tokens (v1)
 
     def __post_init__(self) -> None:
+        from .distill import RECIPES
+
+        if self.distill not in RECIPES:
+            raise DemoPairError(f"--distill must be one of {', '.join(RECIPES)}, got {self.distill!r}")
         if not self.minutes > 0:
             raise DemoPairError(f"--minutes must be positive, got {self.minutes}")
         if self.vocab_size < 512:
@@ -117,6 +122,7 @@ def ensure_demo_pair(
     target_shape: ModelShape = TARGET_SHAPE,
     draft_shape: ModelShape = DRAFT_SHAPE,
     corpus: str | Path | None = None,
+    distill: str = "soft",
     cost_matched: bool = True,
     target_scale: str = DEFAULT_TARGET_SCALE,
     draft_scale: str = DEFAULT_DRAFT_SCALE,
@@ -129,7 +135,8 @@ def ensure_demo_pair(
     pair with the same settings is reused; a stale or corrupt pair there is rebuilt; any other non-empty
     directory is refused. Cost-matched models are added lazily (and replaced if the scales differ).
     """
-    settings = BuildSettings(minutes, seed, target_shape, draft_shape, corpus=str(corpus) if corpus else None)
+    settings = BuildSettings(minutes, seed, target_shape, draft_shape, corpus=str(corpus) if corpus else None,
+                             distill=distill)
     key = settings.key()
     if out is None:
         root = default_cache_root()

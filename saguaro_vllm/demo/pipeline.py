@@ -18,12 +18,16 @@ import torch
 
 from .corpus import Corpus, snippets
 from .distill import (
+    SoftLabelLoss,
     distill_batches,
     generate_distill_set,
+    row_temperatures,
     greedy_continue,
     measure_agreement,
+    measure_sampled_acceptance,
     reference_continuations,
     sample_prompts,
+    soft_distill_batches,
 )
 from .model import ModelShape
 from .tokenizer import EOS, copy_tokenizer_files, save_tokenizer, train_tokenizer
@@ -41,6 +45,11 @@ GEN_TOKENS_PER_SECOND = 3000.0
 LR_TARGET, LR_DRAFT = 3e-3, 3e-3  # 3e-3 beat 5e-3 and 1e-2 for the target
 HELDOUT_EVAL_TOKENS = 65536
 AGREEMENT_PROMPTS = 64
+# The soft recipe's generated text: batches alternate between T=1 samples and greedy continuations, so the
+# draft sees both the contexts sampled serving produces and the ones greedy serving does.
+SOFT_GEN_TEMPERATURES = (1.0, 0.0)
+SOFT_HARD_WEIGHT = 1.0  # weight of the cross-entropy on greedy continuations in the soft recipe
+ACCEPTANCE_TEMPERATURES = (0.7, 1.0)
 HELDOUT_PROMPTS, HELDOUT_PROMPT_CHARS = 256, 400
 COST_DIRS = ("target-cost", "draft-cost")
 
@@ -108,30 +117,51 @@ def build_pair(out: Path, settings, corpus: Corpus, log) -> dict:
              TrainSchedule(dp_steps, LR_DRAFT), "draft pre-train")
 
     stages.start("agreement_reference")
-    log("target greedy continuations of held-out prompts (agreement reference)")
+    log("target continuations of held-out prompts (agreement references, greedy and sampled)")
     agree_prompts = sample_prompts(heldout_ids, AGREEMENT_PROMPTS, PROMPT_LEN, np.random.default_rng([seed, 3]))
     reference = reference_continuations(target, agree_prompts, CONTINUATION)
-    before = measure_agreement(draft, reference, PROMPT_LEN)
-    draft_loss_before = heldout_loss(draft, heldout_ids, SEQ, HELDOUT_EVAL_TOKENS)
-    log(f"draft before distillation: agreement {before.per_token:.3f}, held-out loss {draft_loss_before:.3f}")
+    sampled_refs = {t: reference_continuations(target, agree_prompts, CONTINUATION, t, seed + 7)
+                    for t in ACCEPTANCE_TEMPERATURES}
 
+    def sampled_acceptance() -> dict:
+        return {str(t): measure_sampled_acceptance(target, draft, seqs, PROMPT_LEN, t)
+                for t, seqs in sampled_refs.items()}
+
+    before = measure_agreement(draft, reference, PROMPT_LEN)
+    before_sampled = sampled_acceptance()
+    draft_loss_before = heldout_loss(draft, heldout_ids, SEQ, HELDOUT_EVAL_TOKENS)
+    log(f"draft before distillation: agreement {before.per_token:.3f}, acceptance at T=1 "
+        f"{before_sampled['1.0'].per_token:.3f}, held-out loss {draft_loss_before:.3f}")
+
+    soft = settings.distill == "soft"
     stages.start("generate")
+    temperatures = SOFT_GEN_TEMPERATURES if soft else (0.0,)
     n_seqs = max(DISTILL_BATCH, int(budget * SHARE_GENERATE * GEN_TOKENS_PER_SECOND / CONTINUATION))
-    log(f"generating {n_seqs} x {CONTINUATION} target greedy tokens for distillation")
-    distill_set = generate_distill_set(target, train_ids, n_seqs, PROMPT_LEN, CONTINUATION, seed + 4)
+    log(f"generating {n_seqs} x {CONTINUATION} target tokens for distillation (temperatures {temperatures})")
+    distill_set = generate_distill_set(target, train_ids, n_seqs, PROMPT_LEN, CONTINUATION, seed + 4,
+                                       temperatures=temperatures)
 
     stages.start("distill")
-    ds_steps = steps_for_budget(budget * SHARE_DISTILL, d_shape, vocab, DISTILL_BATCH, SEQ)
-    log(f"distilling draft on target continuations ({ds_steps} steps, every other batch corpus text)")
     corpus_batches = stream.windows(DISTILL_BATCH, SEQ, np.random.default_rng([seed, 6]))
-    batches = distill_batches(distill_set, PROMPT_LEN, DISTILL_BATCH, np.random.default_rng([seed, 5]),
-                              corpus_batches)
-    draft_loss = train_lm(draft, batches, TrainSchedule(ds_steps, LR_DRAFT, warmup=5), "draft distil")
+    rng = np.random.default_rng([seed, 5])
+    if soft:
+        ds_steps = steps_for_budget(budget * SHARE_DISTILL, d_shape, vocab, DISTILL_BATCH, SEQ, teacher=t_shape)
+        log(f"distilling draft on the target's soft labels ({ds_steps} steps, every other batch corpus text)")
+        greedy_rows = row_temperatures(n_seqs, temperatures) == 0
+        batches = soft_distill_batches(distill_set, greedy_rows, DISTILL_BATCH, rng, corpus_batches)
+        draft_loss = train_lm(draft, batches, TrainSchedule(ds_steps, LR_DRAFT, warmup=5), "draft distil (soft)",
+                              loss_fn=SoftLabelLoss(target, PROMPT_LEN, SOFT_HARD_WEIGHT))
+    else:
+        ds_steps = steps_for_budget(budget * SHARE_DISTILL, d_shape, vocab, DISTILL_BATCH, SEQ)
+        log(f"distilling draft on target greedy continuations ({ds_steps} steps, every other batch corpus text)")
+        batches = distill_batches(distill_set, PROMPT_LEN, DISTILL_BATCH, rng, corpus_batches)
+        draft_loss = train_lm(draft, batches, TrainSchedule(ds_steps, LR_DRAFT, warmup=5), "draft distil (hard)")
     draft.save_pretrained(out / "draft")
 
     stages.start("evaluate")
-    log("evaluating held-out loss and agreement")
+    log("evaluating held-out loss, agreement and sampled acceptance")
     after = measure_agreement(draft, reference, PROMPT_LEN)
+    after_sampled = sampled_acceptance()
     stats = {
         "builder": {"minutes": settings.minutes, "seed": seed, "python": sys.version.split()[0],
                     "torch": torch.__version__, "machine": platform.machine(), "threads": torch.get_num_threads()},
@@ -142,15 +172,22 @@ def build_pair(out: Path, settings, corpus: Corpus, log) -> dict:
                    "batch": [BATCH, SEQ], "train_loss": round(target_loss, 4),
                    "heldout_loss": round(heldout_loss(target, heldout_ids, SEQ, HELDOUT_EVAL_TOKENS), 4)},
         "draft": {"shape": d_shape.as_dict(), "params": d_shape.param_count(vocab), "pretrain_steps": dp_steps,
-                  "distill_steps": ds_steps, "train_loss": round(draft_loss, 4),
+                  "distill_steps": ds_steps, "distill_recipe": settings.distill,
+                  "train_loss": round(draft_loss, 4),
+                  "train_loss_kind": (f"forward KL to the target + {SOFT_HARD_WEIGHT} x cross-entropy on greedy "
+                                      "continuations") if soft else "cross-entropy",
                   "heldout_loss_before_distill": round(draft_loss_before, 4),
                   "heldout_loss": round(heldout_loss(draft, heldout_ids, SEQ, HELDOUT_EVAL_TOKENS), 4)},
-        "distill": {"sequences": n_seqs, "prompt_tokens": PROMPT_LEN, "generated_tokens": n_seqs * CONTINUATION},
+        "distill": {"recipe": settings.distill, "sequences": n_seqs, "prompt_tokens": PROMPT_LEN,
+                    "generated_tokens": n_seqs * CONTINUATION, "temperatures": list(temperatures),
+                    **({"hard_weight": SOFT_HARD_WEIGHT} if soft else {})},
         "agreement": {"per_token": round(after.per_token, 4), "per_token_stderr": round(after.stderr, 4),
                       "mean_accept_len": round(after.mean_accept_len, 3),
                       "k": after.k, "tokens": after.tokens, "prompts": AGREEMENT_PROMPTS,
                       "before_distill": {"per_token": round(before.per_token, 4),
                                          "mean_accept_len": round(before.mean_accept_len, 3)}},
+        "sampled_acceptance": {t: {**_acceptance_dict(a), "before_distill": _acceptance_dict(before_sampled[t])}
+                               for t, a in after_sampled.items()},
         "heldout_eval_tokens": SEQ * min(len(heldout_ids) // SEQ, HELDOUT_EVAL_TOKENS // SEQ),
     }
     stages.start("")
@@ -165,13 +202,21 @@ def build_pair(out: Path, settings, corpus: Corpus, log) -> dict:
     return stats
 
 
+def _acceptance_dict(a) -> dict:
+    return {"per_token": round(a.per_token, 4), "per_token_stderr": round(a.stderr, 4),
+            "mean_accept_len": round(a.mean_accept_len, 3), "k": a.k, "tokens": a.tokens}
+
+
 def summary(stats: dict) -> str:
     t, d, a = stats["target"], stats["draft"], stats["agreement"]
     stderr = f" +- {a['per_token_stderr']:.3f}" if "per_token_stderr" in a else ""  # absent in older builds
+    sampled = "".join(f"; acceptance at T={temp}: {s['per_token']:.3f} +- {s['per_token_stderr']:.3f} "
+                      f"(before distillation {s['before_distill']['per_token']:.3f})"
+                      for temp, s in stats.get("sampled_acceptance", {}).items())
     return (f"held-out loss: target {t['heldout_loss']:.3f}, draft {d['heldout_loss']:.3f} nats/token; "
             f"greedy agreement {a['per_token']:.3f}{stderr} "
             f"(before distillation {a['before_distill']['per_token']:.3f}), "
-            f"mean accepted length at K={a['k']}: {a['mean_accept_len']:.2f}")
+            f"mean accepted length at K={a['k']}: {a['mean_accept_len']:.2f}{sampled}")
 
 
 def _load(path: Path):

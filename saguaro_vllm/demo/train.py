@@ -32,8 +32,15 @@ def train_flops_per_token(shape: ModelShape, vocab: int, seq: int) -> float:
     return 6.0 * matmul_params + 3.0 * attention
 
 
-def steps_for_budget(seconds: float, shape: ModelShape, vocab: int, batch: int, seq: int) -> int:
-    per_step = train_flops_per_token(shape, vocab, seq) * batch * seq / REFERENCE_FLOPS
+def steps_for_budget(
+    seconds: float, shape: ModelShape, vocab: int, batch: int, seq: int, teacher: ModelShape | None = None
+) -> int:
+    """Optimiser steps that fit `seconds`; with a `teacher`, each step also pays its forward (a third of
+    its training FLOPs)."""
+    per_token = train_flops_per_token(shape, vocab, seq)
+    if teacher is not None:
+        per_token += train_flops_per_token(teacher, vocab, seq) / 3
+    per_step = per_token * batch * seq / REFERENCE_FLOPS
     return max(1, int(seconds / per_step))
 
 
@@ -76,8 +83,12 @@ def train_lm(
     schedule: TrainSchedule,
     desc: str,
     on_step: Callable[[int, float], None] | None = None,
+    loss_fn: Callable[[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None,
 ) -> float:
-    """Train `model` for `schedule.steps` AdamW steps on `batches`; returns the final smoothed loss."""
+    """Train `model` for `schedule.steps` AdamW steps on `batches`; returns the final smoothed loss.
+
+    `loss_fn(model, batch)` replaces the default next-token cross-entropy on `batch`'s labels.
+    """
     model.train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -91,8 +102,8 @@ def train_lm(
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = schedule.lr_at(step)
-        x, labels = next(batches)
-        loss = model(input_ids=x, labels=labels).loss
+        batch = next(batches)
+        loss = model(input_ids=batch[0], labels=batch[1]).loss if loss_fn is None else loss_fn(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), schedule.clip)
