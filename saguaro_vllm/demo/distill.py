@@ -69,29 +69,27 @@ def sample_prompts(ids: np.ndarray, n: int, length: int, rng: np.random.Generato
     return torch.from_numpy(np.stack([ids[s : s + length] for s in starts]).astype(np.int64))
 
 
-def row_temperatures(n: int, temperatures: tuple[float, ...], batch: int = 64) -> torch.Tensor:
-    """The temperature each row of `generate_distill_set(n, ..., batch, temperatures)` was decoded at."""
-    return torch.tensor([temperatures[(i // batch) % len(temperatures)] for i in range(n)])
-
-
 def generate_distill_set(
     target: torch.nn.Module, ids: np.ndarray, n: int, prompt_len: int, new_tokens: int, seed: int,
     batch: int = 64, temperatures: tuple[float, ...] = (0.0,),
-) -> torch.Tensor:
-    """(n, prompt_len + new_tokens) sequences: corpus prompts followed by the target's continuation.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, prompt_len + new_tokens) sequences: corpus prompts followed by the target's continuation, and
+    the temperature each row was decoded at.
 
     Batch i is decoded at `temperatures[i % len(temperatures)]` (0 = greedy), so a mix of greedy and
     sampled text comes from one call.
     """
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
-    rows = []
+    rows, temps = [], []
     starts = range(0, n, batch)
     for i, start in enumerate(tqdm(starts, desc="target continuations", unit="batch", leave=False)):
         prompts = sample_prompts(ids, min(batch, n - start), prompt_len, rng)
-        cont = continue_tokens(target, prompts, new_tokens, temperatures[i % len(temperatures)], gen)
+        temperature = temperatures[i % len(temperatures)]
+        cont = continue_tokens(target, prompts, new_tokens, temperature, gen)
         rows.append(torch.cat([prompts, cont], dim=1))
-    return torch.cat(rows)
+        temps.append(torch.full((len(prompts),), temperature))
+    return torch.cat(rows), torch.cat(temps)
 
 
 def distill_batches(
@@ -134,7 +132,7 @@ class SoftLabelLoss:
         logits = model(input_ids=x).logits.float()
         logq = torch.log_softmax(logits, dim=-1)
         loss = (teacher_logp.exp() * (teacher_logp - logq)).sum(-1).mean()
-        if self.hard_weight and greedy.dtype == torch.bool and greedy.any():
+        if self.hard_weight and greedy.any():
             start = self.prompt_len
             hard = logq[greedy, start - 1 : -1]
             ce = torch.nn.functional.nll_loss(hard.reshape(-1, hard.shape[-1]), x[greedy, start:].reshape(-1))

@@ -21,7 +21,6 @@ from .distill import (
     SoftLabelLoss,
     distill_batches,
     generate_distill_set,
-    row_temperatures,
     greedy_continue,
     measure_agreement,
     measure_sampled_acceptance,
@@ -138,7 +137,7 @@ def build_pair(out: Path, settings, corpus: Corpus, log) -> dict:
     temperatures = SOFT_GEN_TEMPERATURES if soft else (0.0,)
     n_seqs = max(DISTILL_BATCH, int(budget * SHARE_GENERATE * GEN_TOKENS_PER_SECOND / CONTINUATION))
     log(f"generating {n_seqs} x {CONTINUATION} target tokens for distillation (temperatures {temperatures})")
-    distill_set = generate_distill_set(target, train_ids, n_seqs, PROMPT_LEN, CONTINUATION, seed + 4,
+    distill_set, row_temps = generate_distill_set(target, train_ids, n_seqs, PROMPT_LEN, CONTINUATION, seed + 4,
                                        temperatures=temperatures)
 
     stages.start("distill")
@@ -147,7 +146,7 @@ def build_pair(out: Path, settings, corpus: Corpus, log) -> dict:
     if soft:
         ds_steps = steps_for_budget(budget * SHARE_DISTILL, d_shape, vocab, DISTILL_BATCH, SEQ, teacher=t_shape)
         log(f"distilling draft on the target's soft labels ({ds_steps} steps, every other batch corpus text)")
-        greedy_rows = row_temperatures(n_seqs, temperatures) == 0
+        greedy_rows = row_temps == 0
         batches = soft_distill_batches(distill_set, greedy_rows, DISTILL_BATCH, rng, corpus_batches)
         draft_loss = train_lm(draft, batches, TrainSchedule(ds_steps, LR_DRAFT, warmup=5), "draft distil (soft)",
                               loss_fn=SoftLabelLoss(target, PROMPT_LEN, SOFT_HARD_WEIGHT))
