@@ -119,8 +119,11 @@ def test_seeded_request_reproducible(plain, records):
     sync, asyn = _out(records["sync"], "seed_repeat"), _out(records["async"], "seed_repeat")
     assert sync["first"] == sync["second"]
     assert len(asyn["first"]["tokens"][0]) == len(asyn["second"]["tokens"][0]) == 48
-    for mode in ("sync", "async"):
-        _assert_speculated(records[mode], "seed_repeat")
+    _assert_speculated(records["sync"], "seed_repeat")
+    # async drafted too; whether any draft was accepted is luck here: on a busy machine backup `auto` may give
+    # these 96 steps only n-gram drafts, which a random target at T=0.8 rejects (acceptance at T > 0 in
+    # async is asserted by the distribution case below, with 400 samples).
+    assert records["async"]["seed_repeat"]["delta"][DRAFTS] > 0, records["async"]["seed_repeat"]["delta"]
 
 
 def test_sampled_distribution_matches_plain(plain, spec):
