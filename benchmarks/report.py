@@ -286,7 +286,8 @@ def load_latest_soak() -> dict | None:
 
 def soak_section(data: dict) -> list[str]:
     """Figures of benchmarks/soak.py: traffic, errors, the drafter kill, memory per process, other load."""
-    s, st, m, kill, load = data["summary"], data["settings"], data["memory"], data.get("kill"), data["load"]
+    s, st, m, load = data["summary"], data["settings"], data["memory"], data["load"]
+    kills = data.get("kills") or ([data["kill"]] if data.get("kill") else [])  # "kill": results before 12-04
     ms = lambda f: fmt(None if f is None else 1e3 * f, ".1f")  # noqa: E731
     out = [f"## Soak ({data['date'][:10]})", "",
            f"- command: `{data['command']}` (result `benchmarks/results/{data['_file']}`)",
@@ -305,7 +306,7 @@ def soak_section(data: dict) -> list[str]:
     if gap:
         out += [f"- longest wait between two chunks of one stream: p50 {fmt(gap['p50'])} s, p99 {fmt(gap['p99'])} s, "
                 f"max {fmt(gap['max'])} s"]
-    if kill:
+    for kill in kills:
         back, ready = kill["recovered_after_s"], kill.get("ready_after_s")
         states = " -> ".join(f"{st} ({t:+.0f} s)" for t, st in kill.get("states") or [] if st)
         out += [f"- drafter SIGKILL at {kill['at_s']:.0f} s with {kill.get('requests_in_flight', '?')} requests in "
@@ -327,8 +328,13 @@ def soak_section(data: dict) -> list[str]:
         g = m["growth"].get(role)
         out.append(f"| {role} | {start:.0f} | {fmt(m['end_mb'].get(role), '.0f')} | "
                    f"{fmt(None if g is None else 100 * g, '+.1f')} % |")
+    jumps = m.get("kill_jumps") or []
+    if jumps:
+        out += [""] + [f"- memory across the kill at {j['at_s']:.0f} s (sample at {j['from_t_s']:.0f} s to "
+                       f"{j['to_t_s']:.0f} s): " + ", ".join(f"{role} {mb:+.0f} MB" for role, mb in j["mb"].items())
+                       for j in jumps]
     others = load.get("other_cpu_s_total") or 0.0
-    out += ["", "The drafter row compares the killed drafter (start) with its replacement (end). "
+    out += ["", "The drafter row compares the first drafter (start) with the last replacement (end). "
             + (f"Other processes used {others:.0f} CPU-seconds of the {data['machine']['cpus']} cores during "
                f"the run (about {others / max(data['traffic_s'] + data['drain_s'], 1):.1f} cores on average): "
                "the figures are from a shared machine." if others > 5 else

@@ -60,11 +60,20 @@ TINY_PROMPTS = ["def add(a, b):", "The quick brown fox jumps", "import os\nimpor
                 "    return a + b\n"]
 
 
+def _seconds_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds such as 150 or 100,200; got {text!r}") from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=300.0, help="seconds of traffic (default 300)")
     p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--kill-at", type=float, default=None, help="seconds into the traffic (default: duration / 2)")
+    p.add_argument("--kill-at", type=_seconds_list, default=None,
+                   help="seconds into the traffic of each drafter SIGKILL, comma-separated (default: duration / 2); "
+                        "several kills tell memory a restart leaves behind from a one-time fill")
     p.add_argument("--no-kill", action="store_true", help="no drafter kill (a reference run)")
     p.add_argument("--model", help="target model directory (with --draft)")
     p.add_argument("--draft", help="draft model directory (with --model)")
@@ -82,9 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--model and --draft go together")
     if a.duration <= 0 or a.clients <= 0:
         p.error("--duration and --clients must be positive")
-    a.kill_at = None if a.no_kill else (a.duration / 2 if a.kill_at is None else a.kill_at)
-    if a.kill_at is not None and not 0 < a.kill_at < a.duration:
-        p.error(f"--kill-at must be inside the traffic (0, {a.duration:g}), got {a.kill_at:g}")
+    a.kill_at = [] if a.no_kill else ([a.duration / 2] if a.kill_at is None else sorted(a.kill_at))
+    for t in a.kill_at:
+        if not 0 < t < a.duration:
+            p.error(f"--kill-at must be inside the traffic (0, {a.duration:g}), got {t:g}")
     a.warmup_s = min(30.0, a.duration / 10) if a.warmup_s is None else a.warmup_s
     return a
 
@@ -262,7 +272,7 @@ async def soak(a: argparse.Namespace, server, model_name: str, prompts: list[str
     tasks = [asyncio.create_task(client_loop(i, client, model_name, prompts, stop_at, a.seed, done, errors))
              for i in range(a.clients)]
     bar = tqdm(total=int(a.duration), unit="s", desc="soak", dynamic_ncols=True)
-    killed = False
+    pending_kills = list(a.kill_at)
     while time.monotonic() < stop_at:
         await asyncio.sleep(1.0)
         now = time.monotonic() - start
@@ -276,12 +286,12 @@ async def soak(a: argparse.Namespace, server, model_name: str, prompts: list[str
             events.setdefault("memory_samples", []).append(sample)
             if "memory_start" not in events and now >= a.warmup_s:
                 events["memory_start"] = sample
-        if a.kill_at is not None and not killed and now >= a.kill_at:
+        if pending_kills and now >= pending_kills[0]:
+            pending_kills.pop(0)
             victim = drafters[0] if drafters else None
             if victim is not None:
                 os.kill(victim, signal.SIGKILL)
-            events["kill"] = {"t": round(time.monotonic() - start, 2), "pid": victim}
-            killed = True
+            events.setdefault("kills", []).append({"t": round(time.monotonic() - start, 2), "pid": victim})
         bar.update(min(int(now), int(a.duration)) - bar.n)
         bar.set_postfix(done=len(done), err=len(errors), tok_s=f"{polls[-1]['tokens'] / now:.0f}")
     drafters = [p.pid for role, p in server.processes() if role == "drafter"]
@@ -301,13 +311,16 @@ async def soak(a: argparse.Namespace, server, model_name: str, prompts: list[str
             "drain_s": drain_s, "metrics": final}
 
 
-def recovery(polls: list[dict], kill: dict | None, done: list[dict], start: float) -> dict | None:
+def recovery(polls: list[dict], kill: dict | None, done: list[dict], start: float,
+             until: float | None = None) -> dict | None:
     """What the kill cost: the longest wait between two chunks of the requests in flight at the kill, when
     the client was `ready` again with a new drafter, and when drafts flowed again (the first poll interval that
-    began after the kill in which the proposer received draft tokens: the killed drafter cannot have made them)."""
+    began after the kill in which the proposer received draft tokens: the killed drafter cannot have made them).
+    Restarts and failures are counted up to `until` (the next kill)."""
     if not kill:
         return None
     at = start + kill["t"]
+    polls = [p for p in polls if until is None or p["t"] < until]
     hit = [r for r in done if r["start"] <= at <= r["end"]]
     out = {"killed_pid": kill["pid"], "at_s": kill["t"], "ready_after_s": None, "recovered_after_s": None,
            "new_pid": None, "states": [], "requests_in_flight": len(hit),
@@ -327,6 +340,25 @@ def recovery(polls: list[dict], kill: dict | None, done: list[dict], start: floa
     first, last = (before[-1]["restarts"] if before else 0.0), polls[-1]["restarts"]
     out["restarts"] = None if first is None or last is None else last - first  # None: not on /metrics
     out["failed_steps"] = polls[-1]["failures"] - (before[-1]["failures"] if before else 0.0)
+    return out
+
+
+def kill_jumps(events: dict, kills: list[dict]) -> list[dict]:
+    """Per kill and process (the drafter aside: it is a new process), resident MB from the last sample before
+    the kill to the first one at least 10 s after its replacement was ready: a jump that repeats at every kill
+    is memory each restart leaves behind; one that does not is a one-time fill (e.g. new matmul shapes while
+    steps ran without drafts)."""
+    samples = events.get("memory_samples", [])
+    out = []
+    for kill in kills:
+        before = [x for x in samples if x["t"] < kill["at_s"]]
+        settled = kill["at_s"] + (kill.get("ready_after_s") or 0.0) + 10.0
+        after = next((x for x in samples if x["t"] >= settled), None)
+        if not before or after is None:
+            continue
+        out.append({"at_s": kill["at_s"], "from_t_s": before[-1]["t"], "to_t_s": after["t"],
+                    "mb": {role: round(after["mb"][role] - mb, 1) for role, mb in before[-1]["mb"].items()
+                           if role != "drafter" and role in after["mb"]}})
     return out
 
 
@@ -404,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {"PROMETHEUS_MULTIPROC_DIR": str(prom),
                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         print(f"[soak] {which} pair: {target} / {draft}; {a.clients} clients for {a.duration:g} s, "
-              f"drafter kill at {a.kill_at} s", flush=True)
+              f"drafter kills at {a.kill_at} s", flush=True)
         load_before = os.getloadavg()
         server = VLLMServer(target, args, env=env, log_path=str(log))
         t0 = time.monotonic()
@@ -424,7 +456,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
         log_tail = [ln for ln in log.read_text(errors="replace").splitlines() if "Saguaro" in ln][-30:]
-    kill = recovery(run["polls"], run["events"].get("kill"), run["done"], run["start"])
+    kill_events = run["events"].get("kills", [])
+    kills = [recovery(run["polls"], k, run["done"], run["start"],
+                      until=kill_events[i + 1]["t"] if i + 1 < len(kill_events) else None)
+             for i, k in enumerate(kill_events)]
     others = {}
     for pid, (cmd, cpu) in cpu_end.items():
         if pid in own:
@@ -442,9 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         "startup_s": round(startup_s, 1), "traffic_s": round(run["traffic_s"], 1), "drain_s": round(run["drain_s"], 1),
         "summary": summarize(run["done"], run["traffic_s"]),
         "errors": len(run["errors"]), "error_samples": run["errors"][:20],
-        "kill": kill,
+        "kills": kills,
         "speculation": speculation(run["metrics"]),
-        "memory": memory_growth(run["events"], a.warmup_s, kill),
+        "memory": {**memory_growth(run["events"], a.warmup_s, kills[-1] if kills else None),
+                   "kill_jumps": kill_jumps(run["events"], kills)},
         "load": {"loadavg_before": load_before, "loadavg_after": load_after,
                  "other_processes_cpu_s": dict(sorted(others.items(), key=lambda kv: -kv[1])[:15]),
                  "other_cpu_s_total": round(sum(others.values()), 1)},
@@ -458,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[soak] {s['requests']} requests, {result['errors']} errors, {s['tokens_per_s']:.1f} tok/s, "
           f"latency p50/p99 {s['latency_s']['p50']:.2f}/{s['latency_s']['p99']:.2f} s, "
           f"TPOT p50/p99 {1e3 * (s['tpot_s']['p50'] or 0):.1f}/{1e3 * (s['tpot_s']['p99'] or 0):.1f} ms; "
-          f"kill: {result['kill']}; memory growth {result['memory']['growth']} (ok={result['memory']['ok']}); "
+          f"kills: {result['kills']}; memory growth {result['memory']['growth']} (ok={result['memory']['ok']}); "
           f"others used {result['load']['other_cpu_s_total']} CPU s -> {out_path}")
     return 0 if result["errors"] == 0 and result["memory"]["ok"] else 1
 

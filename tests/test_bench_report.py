@@ -149,6 +149,21 @@ def test_soak_memory_growth_measures_a_replaced_drafter_from_its_own_warmup():
     assert not soak.memory_growth(leaking, 30, {"at_s": 70, "ready_after_s": 15})["ok"]
 
 
+def test_soak_kill_jumps_compare_each_kill_with_the_settled_replacement():
+    soak = _soak()
+    samples = [{"t": t, "mb": {"drafter": 900, "worker": w}} for t, w in
+               [(10, 1000), (20, 1000), (40, 1090), (50, 1090), (60, 1090), (80, 1091), (100, 1091)]]
+    kills = [{"at_s": 25, "ready_after_s": 5}, {"at_s": 65, "ready_after_s": 12}, {"at_s": 95, "ready_after_s": 30}]
+    got = soak.kill_jumps({"memory_samples": samples}, kills)
+    # the first kill grew the worker by 90 MB, the second by 1 (a one-time fill); the third never settled
+    assert got == [{"at_s": 25, "from_t_s": 20, "to_t_s": 40, "mb": {"worker": 90}},
+                   {"at_s": 65, "from_t_s": 60, "to_t_s": 100, "mb": {"worker": 1}}]
+    assert soak.parse_args(["--kill-at", "200,100", "--duration", "300"]).kill_at == [100.0, 200.0]
+    assert soak.parse_args(["--no-kill"]).kill_at == []
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--kill-at", "400", "--duration", "300"])
+
+
 def test_ratio_interval_separates_real_differences_from_noise():
     import random
 

@@ -13,10 +13,14 @@ from saguaro_vllm.drafter.model import load_draft_model
 from saguaro_vllm.drafter.model import linear_kernels
 from saguaro_vllm.drafter.model.layers import Linear, MergedLinear
 from saguaro_vllm.drafter.model.linear_kernels import (
+    EXACT_ROWS,
     install_linear_kernel,
     int8_available,
     packed_available,
+    padded_rows,
     resolve_linear,
+    row_buckets,
+    warm_linear_kernels,
 )
 from saguaro_vllm.drafter.runner import DraftModelRunner
 
@@ -44,7 +48,7 @@ def _layer(kind: str, bias: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, 
 ])
 @pytest.mark.parametrize("kind", ["linear", "merged"])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [(1,), (7,), (2, 5)])
+@pytest.mark.parametrize("rows", [(1,), (7,), (2, 5), (17,), (3, 11), (100,)])  # 17, 33, 100: padded rows
 def test_layer_matches_plain_linear(kernel, dtype, tol, kind, bias, rows):
     layer, weight, b = _layer(kind, bias, dtype)
     x = torch.randn(*rows, 96).to(dtype)
@@ -56,6 +60,29 @@ def test_layer_matches_plain_linear(kernel, dtype, tol, kind, bias, rows):
     scale = expected.abs().max()
     torch.testing.assert_close(out.float() / scale, expected / scale, atol=tol, rtol=0)
     assert layer.weight.numel() == 0  # the packed copy replaced the float weight
+
+
+def test_row_buckets():
+    """Padding bounds the distinct row counts oneDNN sees (one primitive each) at < 12.5 % extra rows."""
+    assert [padded_rows(m) for m in (1, EXACT_ROWS, EXACT_ROWS + 1, 100, 1000, 1024, 1025)] == \
+        [1, EXACT_ROWS, 18, 104, 1024, 1024, 1152]
+    for m in range(1, 5000):
+        b = padded_rows(m)
+        assert m <= b < 1.125 * m + 1 and padded_rows(b) == b
+    buckets = row_buckets(2048)
+    assert buckets == sorted(set(padded_rows(m) for m in range(1, 2049)))
+    assert len(buckets) == 72
+
+
+@needs_packed
+def test_warm_linear_kernels_builds_buckets_within_budget():
+    layers = torch.nn.Sequential(Linear(96, 40, bias=False), MergedLinear(96, {"a": 24, "b": 16}, False),
+                                 Linear(40, 96, bias=True)).to(torch.bfloat16)
+    install_linear_kernel(layers, "packed")
+    assert warm_linear_kernels(layers, 300)[0] == padded_rows(300) == 320
+    assert warm_linear_kernels(layers, 300, budget_s=0.0)[0] == 1  # the first bucket, then the budget stops it
+    plain = torch.nn.Sequential(Linear(96, 40, bias=False))
+    assert warm_linear_kernels(plain, 300) == (0, 0.0)  # nothing pads rows: nothing to build
 
 
 def test_plain_changes_nothing():

@@ -212,9 +212,12 @@ class PagedKVCache:
         self.block_size = cfg.block_size
         self.dtype = cfg.dtype or dtype
         shape = (2, cfg.num_blocks, cfg.block_size, num_kv_heads, head_size)
-        # Zeroed so that reading a never-written slot (a bug) gives finite numbers, not NaNs from garbage.
+        # Zeroed so that reading a never-written slot (a bug) gives finite numbers, not NaNs from garbage;
+        # written, not calloc'ed (torch.zeros of a large CPU tensor maps pages lazily): the whole budget is
+        # resident from the start, so an oversized `kv_cache_gb` shows at start-up and the drafter's memory
+        # does not creep up as requests reach blocks no earlier request touched.
         self.layers: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(num_layers)
+            torch.empty(shape, dtype=self.dtype, device=device).zero_() for _ in range(num_layers)
         ]
         self.allocator = BlockAllocator(cfg.num_blocks)
 

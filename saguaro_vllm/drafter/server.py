@@ -62,7 +62,8 @@ def place_process(cfg: dict) -> None:
 def build_drafter(cfg: dict):
     """The draft model, its paged KV cache and the drafting engine for `cfg` (the resolved config)."""
     from saguaro_vllm.drafter.kv_cache import KVCacheConfig, num_blocks_for_budget
-    from saguaro_vllm.drafter.model.linear_kernels import install_linear_kernel, resolve_linear
+    from saguaro_vllm.drafter.model.linear_kernels import (install_linear_kernel, resolve_linear,
+                                                          warm_linear_kernels)
     from saguaro_vllm.drafter.model.loader import load_draft_model
     from saguaro_vllm.drafter.runner import DraftModelRunner
     from saguaro_vllm.drafter.ssd_drafter import SSDDrafter
@@ -72,6 +73,7 @@ def build_drafter(cfg: dict):
     model = load_draft_model(cfg["draft_path"], dtype=dtype, device=cfg["device"])
     linear = resolve_linear(cfg["saguaro"].get("linear", "auto"), cfg["device"], cfg["dtype"])
     install_linear_kernel(model, linear)
+    warmed_rows, warm_s = warm_linear_kernels(model, cfg["saguaro"]["max_tokens_per_forward"])
     mc = model.config
     block_size = cfg["saguaro"]["block_size"]
     num_blocks = num_blocks_for_budget(
@@ -84,7 +86,8 @@ def build_drafter(cfg: dict):
     if delay > 0:
         _slow_down(runner, delay)
     mode = cfg["saguaro"].get("mode", "sync")
-    info = {"num_blocks": num_blocks, "mode": mode, "linear": linear}
+    info = {"num_blocks": num_blocks, "mode": mode, "linear": linear, "warmed_rows": warmed_rows,
+            "warm_s": round(warm_s, 2)}
     if mode == "async":
         return SSDDrafter(runner, vocab_size=cfg["vocab_size"], options=cfg["saguaro"],
                           max_model_len=cfg.get("max_model_len")), info

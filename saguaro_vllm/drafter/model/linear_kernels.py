@@ -6,12 +6,20 @@ a multi-branch step, and int8 weights (fbgemm, activations quantized per call) a
 rows (`benchmarks/bench_linear.py`, docs/ops.md). Packing happens once at load; the float weights are then
 released unless another module shares them (a tied embedding).
 
+oneDNN builds (and JIT-compiles) one primitive per input row count and keeps it in a bounded cache, about
+0.5 MB each in bf16: a drafter that sees every row count from 1 to a few hundred grows by hundreds of MB over
+its first minutes and keeps re-creating evicted primitives. The packed path therefore pads the rows up to a
+bucket (`padded_rows`: exact up to 16, then 8 buckets per doubling, at most 12.5 % padding) and
+`warm_linear_kernels` builds every bucket's primitive at start, so the drafter's memory is flat from its first
+step and no step pays a primitive's creation (docs/troubleshooting.md, "memory").
+
 Exactness does not depend on the path: the drafter sends the verifier the probabilities it actually sampled
 from, so int8's different draft distribution changes the acceptance rate, never the output.
 """
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from collections.abc import Callable
 
@@ -56,15 +64,46 @@ def resolve_linear(requested: str, device: str, dtype: str) -> str:
     return requested
 
 
+#: Row counts up to this run unpadded (decode and branch steps live here; 16 primitives per weight shape).
+EXACT_ROWS = 16
+
+
+def padded_rows(rows: int) -> int:
+    """The bucket `rows` is padded to: `rows` itself up to EXACT_ROWS, then the next multiple of 1/8 of the
+    power of two below it (17 -> 18, 100 -> 104, 1000 -> 1024), so padding stays under 12.5 % and there are
+    8 buckets per doubling (about 70 up to 8192 rows)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every bucket a call with 1..max_rows rows can land in, ascending."""
+    out, rows = [], 1
+    while rows <= max_rows:
+        out.append(padded_rows(rows))
+        rows = out[-1] + 1
+    return out
+
+
 def _packed_bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
     b = None if bias is None else bias.detach().clone()
 
     def run(x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, b, "none", [], "")
+        x2 = x.reshape(-1, shape[-1])
+        rows = x2.shape[0]
+        pad = padded_rows(rows) - rows
+        if pad:
+            x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))
+        y = torch.ops.mkldnn._linear_pointwise(x2, packed, b, "none", [], "")
+        if pad:
+            y = y[:rows]
         return y.reshape(*shape[:-1], y.shape[-1])
 
+    run.shape_key = (weight.shape[1], weight.shape[0], weight.dtype, bias is not None)  # rows padded
     return run
 
 
@@ -100,6 +139,32 @@ def _int8_dynamic(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
 
     return run
+
+
+def warm_linear_kernels(model: nn.Module, max_rows: int, budget_s: float = 10.0) -> tuple[int, float]:
+    """Run each distinct weight shape's padded kernel once per row bucket, smallest first, up to `max_rows`
+    or until `budget_s` is spent (a large drafter's biggest prefill buckets are then built on first use), so
+    oneDNN has built the primitives of every decode and branch step before the first one. Returns the
+    largest bucket warmed (0: nothing pads rows) and the seconds it took. Plain and int8 kernels do not pad
+    and are left alone."""
+    seen: dict[tuple, Callable] = {}
+    for module in model.modules():
+        key = getattr(getattr(module, "kernel", None), "shape_key", None)
+        if isinstance(module, (Linear, MergedLinear)) and key is not None:
+            seen.setdefault(key, module.kernel)
+    if not seen:
+        return 0, 0.0
+    buckets = row_buckets(max_rows)
+    inputs = {(k[0], k[2]): torch.zeros(buckets[-1], k[0], dtype=k[2]) for k in seen}
+    start, warmed = time.perf_counter(), 0
+    with torch.inference_mode():
+        for rows in buckets:
+            if warmed and time.perf_counter() - start > budget_s:
+                break
+            for (in_features, _, dtype, _), kernel in seen.items():
+                kernel(inputs[in_features, dtype][:rows])
+            warmed = rows
+    return warmed, time.perf_counter() - start
 
 
 def install_linear_kernel(model: nn.Module, kernel: str) -> int:
