@@ -51,6 +51,8 @@ class JobResult:
     saguaro: dict[str, float] = dataclasses.field(default_factory=dict)
     #: How much each Saguaro counter (`..._total`) grew during this job.
     saguaro_delta: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: Prompt tokens vLLM's prefix cache served during this job (`vllm:prefix_cache_hits`).
+    prefix_cache_hits: int = 0
 
     def counter(self, prefix: str) -> float:
         """Sum over labels of a Saguaro counter's growth in this job, e.g. `counter("vllm:saguaro_cache_hits")`."""
@@ -74,8 +76,12 @@ def run_engine(model: str, jobs: list[Job], *, speculative_config: dict | None =
             raise EngineRunError(proc.returncode, log_path.read_text()[-8000:])
         result = json.loads(out_path.read_text())
     return {name: JobResult(r["token_ids"], r["texts"], SpecCounters(**r["spec"]), r["seconds"], r["saguaro"],
-                            r["saguaro_delta"])
+                            r["saguaro_delta"], r["prefix_cache_hits"])
             for name, r in result.items()}
+
+
+def _prefix_cache_hits(metrics: list[Any]) -> int:
+    return sum(int(m.value) for m in metrics if m.name.removesuffix("_total") == "vllm:prefix_cache_hits")
 
 
 def _inputs(prompt: Any) -> Any:
@@ -92,6 +98,7 @@ def _main(request: dict[str, Any]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for job in request["jobs"]:
         before = _spec_counters(llm.get_metrics())
+        hits_before = _prefix_cache_hits(llm.get_metrics())
         before_saguaro = saguaro_samples()
         params = job["params"] if isinstance(job["params"], list) else [job["params"]] * len(job["prompts"])
         sps = [SamplingParams(**p) for p in params]
@@ -107,6 +114,7 @@ def _main(request: dict[str, Any]) -> dict[str, Any]:
             "texts": [o.outputs[0].text for o in outs],
             "spec": {k: after[k] - before[k] for k in after},
             "seconds": seconds,
+            "prefix_cache_hits": _prefix_cache_hits(llm.get_metrics()) - hits_before,
             "saguaro": (after_saguaro := saguaro_samples()),
             "saguaro_delta": {k: v - before_saguaro.get(k, 0.0) for k, v in after_saguaro.items()
                               if k.split("{")[0].endswith("_total")},

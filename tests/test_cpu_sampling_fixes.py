@@ -1,9 +1,10 @@
-"""The two CPU-build bugs of vLLM 0.32 that break speculative sampling, and our fixes
+"""The CPU-build bugs of vLLM 0.32 that break speculative sampling or seeded requests, and our fixes
 (`saguaro_vllm/patches/cpu_sampling.py`).
 
 Unit tests compare the fixed expand with a plain-loop reference and run vLLM's own sampling functions;
 engine tests run vLLM's built-in `draft_model` method at temperature 1.0 and compare its output
-distribution with plain (non-speculative) vLLM: three engine start-ups for the whole module.
+distribution with plain (non-speculative) vLLM: three engine start-ups; one more runs seeded requests whose
+prompts are prefilled in several chunks.
 """
 from __future__ import annotations
 
@@ -253,3 +254,28 @@ def test_top_k_with_spec_decode_runs_and_is_exact(plain_run, fixed_run):
     pvalues = compare(plain, spec)
     print(f"top_k={TOP_K} with fix: {_fmt(pvalues)}")
     assert min(pvalues.values()) > P_PASS, _fmt(pvalues)
+
+
+@pytest.mark.engine
+def test_seeded_request_prefilled_in_chunks(models):
+    """vLLM rewinds the generator of a partial-prefill row with CUDA-only offsets: on CPU every seeded
+    request longer than one step's token budget crashed the engine. With the fix the row's generator is
+    restored, so the output cannot depend on how the prompt was chunked: each prompt runs cold (prefilled
+    in 32-token chunks: 2 discarded samples each) and again warm (64 tokens from the prefix cache, the rest
+    in one step),
+    and both give the same tokens."""
+    from engine_runs import Job, run_engine
+
+    prompts = [[(7 * i + 3 * j + j // 5) % 23 + 1 for j in range(70 + 10 * i)] for i in range(3)]  # vocab 24
+    params = [{"temperature": 1.0, "seed": 11 + i, "max_tokens": 12, "ignore_eos": True}
+              for i in range(3)]
+    runs = run_engine(models[0], [Job("cold", prompts, params, sequential=True),
+                                  Job("warm", prompts, params, sequential=True)],
+                      engine_kwargs={"max_model_len": 128, "max_num_batched_tokens": 32, "max_num_seqs": 4,
+                                     "enable_chunked_prefill": True, "enable_prefix_caching": True,
+                                     "skip_tokenizer_init": True, "block_size": 32})
+    cold, warm = runs["cold"], runs["warm"]
+    # warm skipped the chunks: the prompts' full 32-token blocks came from the cache (64 tokens of each)
+    assert cold.prefix_cache_hits == 0 and warm.prefix_cache_hits == sum((len(p) - 1) // 32 * 32 for p in prompts)
+    assert [len(t) for t in cold.token_ids] == [12] * 3
+    assert cold.token_ids == warm.token_ids

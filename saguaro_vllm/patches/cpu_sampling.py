@@ -1,4 +1,4 @@
-"""Two bugs of vLLM 0.32's CPU build that break speculative sampling, fixed by wrapping.
+"""Three bugs of vLLM 0.32's CPU build, two that break speculative sampling, fixed by wrapping.
 
 1. `vllm.utils.cpu_triton_utils._expand_kernel_impl` is the CPU stand-in for the Triton kernel
    `rejection_sampler.expand_kernel`, which expands per-request sampling parameters (temperature,
@@ -27,6 +27,15 @@
    any request with `top_k` kills the engine at its first step. Fix: with zero rows there is nothing
    to mask; return the logits unchanged, otherwise call the original. (`apply_top_k_only` is looked up
    as a module global at each call, so patching the module attribute is enough.)
+
+3. `GPUModelRunner._bookkeeping_sync` (the CPU runner inherits it) undoes the random numbers a discarded
+   sample consumed (a request whose prompt is prefilled in several chunks samples at each partial chunk)
+   with `gen.set_offset(gen.get_offset() - 4)`: CUDA's Philox generators have an offset, CPU's Mersenne
+   Twister raises "CPU Generator does not use offset". Any seeded request whose prompt is longer than what
+   one step prefills (`max_num_batched_tokens`, or a busy batch) kills the CPU engine, with or without
+   speculation. Fix: `sample_tokens` saves the state of those rows' generators before sampling, and
+   `_bookkeeping_sync` puts it back (exactly "this step drew nothing for the row", which the offset
+   arithmetic approximates on CUDA) and hides those generators from vLLM's rewind loop.
 """
 from __future__ import annotations
 
@@ -143,3 +152,64 @@ def patch_apply_top_k_only(original: Any) -> Any:
         return original(logits, k)
 
     return apply_top_k_only
+
+
+RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+
+
+def _generator_rewind_bug_present() -> bool:
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not current_platform.is_cpu():
+        return False
+    if "gen.set_offset(gen.get_offset()" not in _source(GPUModelRunner._bookkeeping_sync):
+        return False
+    try:
+        torch.Generator().get_offset()
+    except RuntimeError:
+        return True
+    return False
+
+
+def discarded_generator_states(runner: Any) -> dict[int, torch.Tensor]:
+    """The generator state of every row whose sample this step will discard (a partial prefill)."""
+    num_reqs = runner.input_batch.num_reqs
+    gens = runner.input_batch.generators
+    rows = runner.discard_request_mask.np[:num_reqs].nonzero()[0]
+    return {int(i): gens[int(i)].get_state() for i in rows if int(i) in gens}
+
+
+@vllm_patch(RUNNER, "sample_tokens", when=_generator_rewind_bug_present,
+            why="save the CPU generators of rows whose sample is discarded (partial prefills), so that "
+                "_bookkeeping_sync can rewind them without CUDA's generator offsets")
+def wrap_sample_tokens(original: Any) -> Any:
+    @functools.wraps(original)
+    def sample_tokens(self, grammar_output):
+        self._saguaro_rewind = discarded_generator_states(self) if self.execute_model_state is not None else {}
+        try:
+            return original(self, grammar_output)
+        finally:
+            self._saguaro_rewind = {}
+
+    return sample_tokens
+
+
+@vllm_patch(RUNNER, "_bookkeeping_sync", when=_generator_rewind_bug_present,
+            why="gen.set_offset raises on CPU generators: every seeded request prefilled in several "
+                "chunks crashes the CPU engine; the saved generator state is restored instead")
+def wrap_bookkeeping_sync(original: Any) -> Any:
+    @functools.wraps(original)
+    def _bookkeeping_sync(self, *args, **kwargs):
+        gens = self.input_batch.generators
+        hidden = {}
+        for i, state in (getattr(self, "_saguaro_rewind", None) or {}).items():
+            if i in gens:
+                gens[i].set_state(state)
+                hidden[i] = gens.pop(i)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            gens.update(hidden)
+
+    return _bookkeeping_sync
