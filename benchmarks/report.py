@@ -334,7 +334,10 @@ def soak_section(data: dict) -> list[str]:
                        f"{j['to_t_s']:.0f} s): " + ", ".join(f"{role} {mb:+.0f} MB" for role, mb in j["mb"].items())
                        for j in jumps]
     others = load.get("other_cpu_s_total") or 0.0
-    out += ["", "The drafter row compares the first drafter (start) with the last replacement (end). "
+    out += ["", f"Growth is measured from the first sample {fmt(st.get('warmup_s'), '.0f')} s into the run: vLLM's "
+            "CPU target worker creates one oneDNN primitive per new batch shape while traffic is young, so its RSS "
+            "climbs for the first minutes and then levels (docs/troubleshooting.md, Memory). "
+            "The drafter row compares the first drafter (start) with the last replacement (end). "
             + (f"Other processes used {others:.0f} CPU-seconds of the {data['machine']['cpus']} cores during "
                f"the run (about {others / max(data['traffic_s'] + data['drain_s'], 1):.1f} cores on average): "
                "the figures are from a shared machine." if others > 5 else
