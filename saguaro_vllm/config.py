@@ -133,11 +133,13 @@ class SaguaroOptions(BaseModel):
         "short (branches drafted so far are cached; a hit on a short branch is completed on the spot), "
         "`true` finishes every branch first.",
     )
-    sampling_scale: float = Field(
+    sampling_scale: float | Literal["auto"] = Field(
         1.0,
         description="`async` only, temperature > 0: Saguaro sampling's C in [0, 1]: the draft samples from "
         "its distribution with the top-F probabilities (F = that depth's fan-out) multiplied by C, which "
-        "raises the cache hit rate and lowers acceptance. 1 disables it. Output stays exact for any C.",
+        "raises the cache hit rate and lowers acceptance. 1 disables it. `\"auto\"`: C is chosen per round "
+        "of each sampled request from 1, 0.75, 0.5, 0.25 by the measured tokens per second of each, per "
+        "temperature (drafter/scale_choice.py). Output stays exact for any C.",
     )
 
     @field_validator("block_size")
@@ -153,11 +155,18 @@ class SaguaroOptions(BaseModel):
         "depth's fan-out, as in the paper) or the top F+1 (as in the authors' code).",
     )
 
+    @field_validator("sampling_scale", mode="before")
+    @classmethod
+    def _scale_kind(cls, v: Any) -> Any:
+        if v != "auto" and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError("must be a number in [0, 1] (e.g. 0.5) or \"auto\"")
+        return v
+
     @field_validator("sampling_scale")
     @classmethod
-    def _scale(cls, v: float) -> float:
-        if not 0.0 <= v <= 1.0:
-            raise ValueError("must lie in [0, 1] (1 disables Saguaro sampling)")
+    def _scale(cls, v: float | str) -> float | str:
+        if v != "auto" and not 0.0 <= v <= 1.0:
+            raise ValueError("must lie in [0, 1] (1 disables Saguaro sampling), or be \"auto\"")
         return v
 
     @field_validator("fanout_budget", "max_fanout_budget")
@@ -268,7 +277,8 @@ class SaguaroConfig(BaseModel):
                              "backup 'jit' never uses; remove miss_fanout or set backup to 'auto' or 'ngram'")
         if "sampling_scale_tokens" in given and opts.sampling_scale == 1.0:
             raise ValueError("saguaro.sampling_scale_tokens: only used when sampling_scale < 1 (Saguaro "
-                             "sampling is off at 1); set sampling_scale below 1 or remove sampling_scale_tokens")
+                             "sampling is off at 1); set sampling_scale below 1 (or \"auto\") or remove "
+                             "sampling_scale_tokens")
         return self
 
 

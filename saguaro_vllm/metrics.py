@@ -88,6 +88,19 @@ def _prometheus() -> dict:
                 "vllm:saguaro_topups",
                 "Cache hits on a branch that was cut short, completed to K drafts on the critical path (mode "
                 "async)."),
+            "sampled": prometheus_client.Counter(
+                "vllm:saguaro_sampled_drafts",
+                "Sampled draft tokens sent for verification (temperature > 0; mode async), by whether their "
+                "round's Saguaro sampling C was below 1.", labelnames=["scaled"]),
+            "scale_sum": prometheus_client.Counter(
+                "vllm:saguaro_sampled_drafts_scale",
+                "Sum of the Saguaro sampling C over the sampled draft tokens (mode async): divided by "
+                "vllm:saguaro_sampled_drafts_total it is the mean C in use (sampling_scale \"auto\")."),
+            "branch_blocks": prometheus_client.Counter(
+                "vllm:saguaro_branch_blocks",
+                "Drafter KV blocks taken by pre-drafted branches (mode async): partial blocks copied when a "
+                "branch forks (kind fork_copy) and new blocks as it grows past a block edge (kind growth).",
+                labelnames=["kind"]),
             "no_room": prometheus_client.Counter(
                 "vllm:saguaro_rows_no_room",
                 "Rows that got no drafts because the drafter's KV cache had no room for them (both modes; they "
@@ -137,6 +150,8 @@ class SaguaroMetrics:
         self.predraft_rounds = self.predraft_done = self.dropped = self.skipped = 0
         self.budget = 0
         self.cut_short = self.topups = self.rows_no_room = 0
+        self.sampled_drafts = self.scaled_drafts = self.fork_copies = self.branch_blocks = 0
+        self.scale_sum = 0.0
         self.failures_by_reason: dict[str, int] = {}
         self.restarts = 0
         self.drafter_state = ""
@@ -198,6 +213,20 @@ class SaguaroMetrics:
             self.topups += int(ssd["topups"])
             if prom:
                 prom["topups"].inc(int(ssd["topups"]))
+        if ssd.get("sampled_drafts"):
+            n, scaled = int(ssd["sampled_drafts"]), int(ssd.get("scaled_drafts", 0))
+            self.sampled_drafts += n
+            self.scaled_drafts += scaled
+            self.scale_sum += float(ssd.get("scale_sum", 0.0))
+            if prom:
+                prom["sampled"].labels(scaled="true").inc(scaled)
+                prom["sampled"].labels(scaled="false").inc(n - scaled)
+                prom["scale_sum"].inc(float(ssd.get("scale_sum", 0.0)))
+        for kind, key in (("fork_copy", "fork_copies"), ("growth", "branch_blocks")):
+            if ssd.get(key):
+                setattr(self, key, getattr(self, key) + int(ssd[key]))
+                if prom:
+                    prom["branch_blocks"].labels(kind=kind).inc(int(ssd[key]))
         if ssd.get("cut_short"):
             self.cut_short += 1
             if prom:
@@ -273,5 +302,7 @@ class SaguaroMetrics:
             "late_s": self.late_s, "predraft_skipped": self.skipped,
             "predraft_cut_short": self.cut_short, "topups": self.topups, "rows_no_room": self.rows_no_room,
             "failures_by_reason": dict(self.failures_by_reason), "restarts": self.restarts,
-            "drafter_state": self.drafter_state,
+            "drafter_state": self.drafter_state, "sampled_drafts": self.sampled_drafts,
+            "scaled_drafts": self.scaled_drafts, "scale_sum": self.scale_sum, "fork_copies": self.fork_copies,
+            "branch_blocks": self.branch_blocks,
         }

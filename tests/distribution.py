@@ -245,7 +245,7 @@ def two_sample_chi2(a: Sequence[Any], b: Sequence[Any], *, min_count: int = 10) 
     return float(chi2_contingency(np.asarray(table).T, correction=False).pvalue)
 
 
-def compare(a: np.ndarray, b: np.ndarray, *, positions: Sequence[int] = (2, 3, 4),
+def compare(a: np.ndarray, b: np.ndarray, *, positions: Sequence[int] = (1, 2, 3, 4),
             joints: Sequence[tuple[int, int]] = ((2, 3),), min_count: int = 10) -> dict[str, float]:
     """Chi-square p-values comparing two [samples, tokens] arrays: one per marginal output position
     (`"pos2"`, ...) and one per joint of two positions (`"joint2,3"`, ...)."""

@@ -68,6 +68,14 @@ def test_dashed_keys_accepted_at_every_level(tiny_pair, engine_config):
     assert (cfg.speculative_config.num_speculative_tokens, opts["fanout_budget"], opts["kv_cache_gb"]) == (2, 4, 0.25)
 
 
+def test_sampling_scale_auto_reaches_the_drafter_options(tiny_pair, engine_config):
+    target, draft = tiny_pair
+    cfg = engine_config(target, _full(draft, {"saguaro": {"mode": "async", "sampling_scale": "auto",
+                                                          "sampling_scale_tokens": "fanout+1"}}))
+    opts = cfg.additional_config["saguaro"]["saguaro"]
+    assert (opts["sampling_scale"], opts["sampling_scale_tokens"]) == ("auto", "fanout+1")
+
+
 def test_vllm_keys_passed_through(tiny_pair, engine_config):
     target, draft = tiny_pair
     cfg = engine_config(target, _full(draft, {"rejection_sample_method": "standard", "draft_tensor_parallel_size": 1,
@@ -110,6 +118,8 @@ BAD = [
      "speculative_config.saguaro.miss_fanout:", "set backup to 'auto' or 'ngram'"),
     ({"saguaro": {"mode": "async", "sampling_scale": 1.5}}, "speculative_config.saguaro.sampling_scale:",
      "must lie in [0, 1]"),
+    ({"saguaro": {"mode": "async", "sampling_scale": "half"}}, "speculative_config.saguaro.sampling_scale:",
+     'or "auto"'),
     ({"saguaro": {"mode": "async", "sampling_scale_tokens": "fanout+1"}},
      "speculative_config.saguaro.sampling_scale_tokens:", "set sampling_scale below 1"),
     # K

@@ -1,4 +1,4 @@
-"""Temperature > 0 exactness of the Saguaro proposer: the output distribution of positions 2..4 (and the
+"""Temperature > 0 exactness of the Saguaro proposer: the output distribution of positions 1..4 (and the
 joint of two positions) equals the non-speculative engine's, for plain sampling and for top-k/top-p, in a
 batch that also holds greedy requests; and the same check fails when the proposal probabilities handed to
 vLLM's rejection sampler are wrong (so it can detect a biased path)."""

@@ -40,6 +40,7 @@ from saguaro_vllm.drafter.predictor import (
     select_candidates,
 )
 from saguaro_vllm.drafter.runner import DraftModelRunner
+from saguaro_vllm.drafter.scale_choice import ScaleChoice, temperature_bucket
 from saguaro_vllm.drafter.spec_cache import SpeculationCache
 from saguaro_vllm.drafter.sync_drafter import NO_ROOM, SyncDrafter, _ReqState
 from saguaro_vllm.ops import draw_gumbel, sample_proposal
@@ -70,6 +71,8 @@ class _Sent:
     drafts: list[int]
     fast: bool  # drafts from the n-gram backup (their own acceptance estimate and fan-out)
     round_id: int = 0
+    #: the Saguaro sampling C these drafts were sampled with (sampled rows; None: greedy or n-gram)
+    scale: float | None = None
     #: per depth, the best candidate tokens in order (x_{j+1} excluded): where the real bonus token
     #: ranks among them feeds the planner's `RankEstimate`
     ranked: list[list[int]] | None = None
@@ -92,6 +95,11 @@ class SSDStats:
     dropped: int = 0  # candidates of that pre-draft left out for lack of KV blocks
     topups: int = 0  # hits on branches cut short, completed on the critical path in this step
     cut_short: bool = False  # a pre-draft was still running when this step's request came, and was stopped
+    sampled_drafts: int = 0  # sampled draft tokens sent in this step (greedy and n-gram drafts excluded)
+    scaled_drafts: int = 0  # ... of them drafted in a round whose Saguaro sampling C was below 1
+    scale_sum: float = 0.0  # sum of C over the sampled draft tokens (mean C = scale_sum / sampled_drafts)
+    fork_copies: int = 0  # partial KV blocks copied when the pre-draft forked its branches
+    branch_blocks: int = 0  # KV blocks branches allocated as they grew past a block edge
 
 
 def _ranked(scores: torch.Tensor, drafts) -> list[list[int]]:
@@ -123,6 +131,11 @@ class SSDDrafter(SyncDrafter):
         self._answered_at: float | None = None  # time.monotonic(), the clock of StepRequest.sent_at
         self._predraft = SSDStats()
         self._fanout: list[int] = []  # the neural allocation in use (Saguaro sampling's F per depth)
+        self.scale_choice = ScaleChoice() if options.get("sampling_scale") == "auto" else None
+        self._best_scale: dict[int, float] = {}  # per temperature bucket: the best C last logged
+        #: answer time of steps whose misses were drafted just in time, and of steps that all hit: their
+        #: difference is what a miss costs the online C choice
+        self._answer_s: dict[str, float | None] = {"miss": None, "hit": None}
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def _release(self, seq_id: str) -> None:
@@ -221,6 +234,7 @@ class SSDDrafter(SyncDrafter):
             sent = self._sent.pop(row.req_id, None)
             branch = None
             if st is not None and sent is not None:
+                had_branches = bool(self.cache.outcomes(row.req_id))
                 outcome, branch = self.cache.lookup(row.req_id, row.start, row.new_tokens)
                 status[i] = JIT  # a miss until proven otherwise; the backup kind is set below
                 if outcome is not None:
@@ -231,6 +245,9 @@ class SSDDrafter(SyncDrafter):
                     if sent.ranked is not None and not sent.fast:
                         ranked = sent.ranked[outcome.accepted]
                         self.ranks.observe(ranked.index(outcome.bonus) if outcome.bonus in ranked else MAX_RANK)
+                    if self.scale_choice is not None and sent.scale is not None and had_branches:
+                        self.scale_choice.observe(st.sampling.temperature, sent.scale, outcome.accepted + 1,
+                                                  missed=branch is None)
             else:
                 self.cache.drop(row.req_id)
                 status[i] = NEW
@@ -292,12 +309,21 @@ class SSDDrafter(SyncDrafter):
             st = self.reqs[row.req_id]
             fast = i in fast_rows
             sent = _Sent(len(st.context), list(drafts[i]), fast)
+            if i in probs and not fast:  # sampled drafts: the C they were drafted with, then the next round's
+                sent.scale = self._scale_of(st)
+                stats.sampled_drafts += len(drafts[i])
+                stats.scaled_drafts += len(drafts[i]) if sent.scale < 1.0 else 0
+                stats.scale_sum += sent.scale * len(drafts[i])
+                if self.scale_choice is not None:
+                    st.scale = self._next_scale(st)
             sent.round_id = self.cache.start_round(row.req_id, sent.context_len, sent.drafts)
             self._sent[row.req_id] = sent
             roots.append(row.req_id)
         if roots:
             self._work = self._predraft_rounds(roots)
         stats.alpha = self.predictor.neural.alpha
+        self._time_answer(time.perf_counter() - t0, jit_misses=bool(misses) and kind == JIT,
+                          all_hit=not misses and HIT in status)
         resp = StepResponse(req.step, drafts, {}, time.perf_counter() - t0, resync,
                             live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
                             row_status=status, row_depth=depth, ssd=dataclasses.asdict(stats),
@@ -408,13 +434,45 @@ class SSDDrafter(SyncDrafter):
     def _sample(self, st: _ReqState, logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Saguaro sampling: q' = the request's proposal with its top-F probabilities scaled by C."""
         spec = st.sampling
-        c = float(self.opts.get("sampling_scale", 1.0))
+        c = self._scale_of(st)
         f = self._fanout[depth] if c < 1.0 and depth < len(self._fanout) else 0
         if f and self.opts.get("sampling_scale_tokens") == "fanout+1":
             f += 1
         gumbel = draw_gumbel(logits.shape[0], logits.shape[1], [st.generator] * logits.shape[0],
                              device=logits.device)
         return sample_proposal(logits, gumbel, spec.temperature, spec.top_k, spec.top_p, f, c)
+
+    def _scale_of(self, st: _ReqState) -> float:
+        """The C this request drafts with now: the configured one, or its round's arm with `"auto"`."""
+        if self.scale_choice is None:
+            return float(self.opts.get("sampling_scale", 1.0))
+        if st.scale is None:
+            st.scale = self._next_scale(st)
+        return st.scale
+
+    def _next_scale(self, st: _ReqState) -> float:
+        """The online choice's C for the request's next round (logs a change of the best C once)."""
+        verify_s = self._verify_s or 1.0
+        miss, hit = self._answer_s["miss"], self._answer_s["hit"]
+        miss_s = max(0.0, miss - hit) if miss is not None and hit is not None else 0.0
+        temperature = st.sampling.temperature
+        if self.scale_choice.explored(temperature):
+            best = self.scale_choice.best(temperature, verify_s, miss_s)
+            bucket = temperature_bucket(temperature)
+            if self._best_scale.get(bucket) != best:
+                self._best_scale[bucket] = best
+                rates = ", ".join(f"C={c:g}: {s.tokens_per_s(verify_s, miss_s):.1f}" for c, s
+                                  in self.scale_choice.stats(temperature).items())
+                logger.info("Saguaro sampling: C=%g now best at temperature %.1f (estimated tokens/s %s; "
+                            "verification %.0f ms, a miss adds %.0f ms)", best, temperature, rates,
+                            1e3 * verify_s, 1e3 * miss_s)
+        return self.scale_choice.choose(temperature, verify_s, miss_s)
+
+    def _time_answer(self, seconds: float, jit_misses: bool, all_hit: bool) -> None:
+        if jit_misses:
+            self._answer_s["miss"] = _smooth(self._answer_s["miss"], seconds)
+        elif all_hit:
+            self._answer_s["hit"] = _smooth(self._answer_s["hit"], seconds)
 
     # ---- pre-drafting ---------------------------------------------------------------------------------
     def _cost_model(self) -> StepCostModel | None:
@@ -478,15 +536,18 @@ class SSDDrafter(SyncDrafter):
                 if not self._sent[root.req_id].fast:
                     self._fanout = fan
                 candidates.append(select_candidates(sc, root.drafts, fan))
+            free = self.runner.num_free_blocks
             run = BranchRun(self.runner, roots, candidates, num_steps=plan.steps, propose=self._propose_branches,
                             keep_logits=True, vocab_size=self.vocab_size)
             self._run = run
             stats.dropped = run.dropped
+            stats.fork_copies = max(0, free - self.runner.num_free_blocks)
             while not run.done:
                 s0 = time.perf_counter()
-                rows = run.live_rows
+                rows, free = run.live_rows, self.runner.num_free_blocks
                 run.step()
                 self._costs.append((rows, time.perf_counter() - s0))
+                stats.branch_blocks += max(0, free - self.runner.num_free_blocks)
                 yield
         finally:
             if run is not None:

@@ -36,6 +36,8 @@ class _ReqState:
     #: with `keep_logits`: the draft logits each draft of the last step was chosen from ([vocab] each);
     #: row j is the depth-j bonus distribution that SSD's outcome prediction needs (drafter/branches.py).
     draft_logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    #: `mode: async` with `sampling_scale: "auto"`: the Saguaro sampling C this request drafts with now
+    scale: float | None = None
 
 
 class SyncDrafter:
