@@ -128,6 +128,30 @@ def test_every_branch_equals_its_chain_alone(model, block_size):
     assert runner.num_free_blocks == 160
 
 
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_branch_run_counts_fork_copies_and_growth_blocks(model, block_size):
+    """A fork at n tokens copies the partial block (n not a multiple of the block size) and reserves
+    ceil((n + K) / B) - ceil(n / B) blocks for its K tokens; the run reports both, and they are every block
+    it took."""
+    runner = make_runner(model, num_blocks=160, block_size=block_size)
+    drafter, roots, _ = drafted_roots(model, runner, SamplingSpec())
+    depth_k = glue(runner, roots)
+    candidates = [select_candidates(bonus_distributions(drafter.reqs[r.req_id].draft_logits, depth_k[i]),
+                                    r.drafts, FANOUT) for i, r in enumerate(roots)]
+    free = runner.num_free_blocks
+    run = BranchRun(runner, roots, candidates)
+    forks = [r.context_len + j for r, cands in zip(roots, candidates, strict=True) for j, _ in cands]
+    assert run.fork_copies == sum(1 for n in forks if n % block_size) > 0
+    assert run.growth_blocks == sum(-(-(n + K) // block_size) - -(-n // block_size) for n in forks) > 0
+    assert free - runner.num_free_blocks == run.fork_copies + run.growth_blocks
+    while not run.done:
+        run.step()
+    assert runner.num_free_blocks == free - run.fork_copies - run.growth_blocks  # steps take no blocks
+    for b in run.finish():
+        runner.free_request(b.seq_id)
+    assert runner.num_free_blocks == free
+
+
 def test_sampled_branches_return_their_exact_proposal(model):
     spec = SamplingSpec(temperature=0.9, top_k=40, seed=3)
     runner = make_runner(model, num_blocks=160, block_size=16)

@@ -1,7 +1,9 @@
 """Temperature > 0 exactness of the Saguaro proposer: the output distribution of positions 1..4 (and the
 joint of two positions) equals the non-speculative engine's, for plain sampling and for top-k/top-p, in a
-batch that also holds greedy requests; and the same check fails when the proposal probabilities handed to
-vLLM's rejection sampler are wrong (so it can detect a biased path)."""
+batch that also holds greedy requests; in `mode: async` for every path that supplies a draft token (hits,
+jit and n-gram misses, Saguaro sampling with a fixed and an online C, branches forked and grown across
+drafter KV block edges, cut-short branches topped up); and the same check fails when the proposal
+probabilities handed to vLLM's rejection sampler are wrong (so it can detect a biased path)."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +14,9 @@ pytestmark = pytest.mark.engine
 
 K = 3
 N = 2000
+#: Output tokens of the plain run and of the block-edge run: with a prompt of 5 tokens and a drafter KV
+#: block of 8, contexts grow from 5 to 17 tokens, past two block edges (8 and 16).
+LONG = 12
 VARIANTS = {
     "t1": {"temperature": 1.0},
     "tktp": {"temperature": 0.8, "top_k": 6, "top_p": 0.9},
@@ -27,7 +32,8 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(pair):
-    return sample_outputs(pair[0], variants=PLAIN_VARIANTS, num_samples=N)
+    # LONG tokens per sample: the 5-token runs compare its first positions, the block-edge run all of them.
+    return sample_outputs(pair[0], variants=PLAIN_VARIANTS, num_samples=N, max_tokens=LONG)
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +84,9 @@ def _ssd(pair, **options):
             "saguaro": {"mode": "async", **options}}
 
 
-def _run_ssd(pair, variants, seed, num_samples=N, **options):
+def _run_ssd(pair, variants, seed, num_samples=N, max_tokens=5, **options):
     return sample_outputs(pair[0], speculative_config=_ssd(pair, **options), variants=variants,
-                          num_samples=num_samples, seed=seed)
+                          num_samples=num_samples, seed=seed, max_tokens=max_tokens)
 
 
 def _counter(run, name: str) -> float:
@@ -111,8 +117,18 @@ def ssd_ngram(pair):
     return _run_ssd(pair, {"tktp": VARIANTS["tktp"]}, 5, fanout_budget=1, backup="ngram")
 
 
-def _assert_same(plain_tokens, run_tokens):
-    pvalues = compare(plain_tokens, run_tokens)
+@pytest.fixture(scope="module")
+def ssd_long(pair):
+    # LONG tokens with a drafter KV block of 8 tokens: the branches fork inside a block (its filled part is
+    # copied) and grow past block edges. Pre-drafts are not finished before the answer, so a hit is often a
+    # branch cut short, topped up on the critical path. C is chosen online per round ("auto", arms
+    # 1/0.75/0.5/0.25) and scales the top F+1 tokens ("fanout+1").
+    return _run_ssd(pair, {"t1": VARIANTS["t1"]}, 7, max_tokens=LONG, fanout=[2, 2, 2, 2], block_size=8,
+                    sampling_scale="auto", sampling_scale_tokens="fanout+1")
+
+
+def _assert_same(plain_tokens, run_tokens, **positions):
+    pvalues = compare(plain_tokens, run_tokens, **positions)
     assert min(pvalues.values()) > EXACT_P, pvalues
 
 
@@ -153,3 +169,21 @@ def test_check_detects_biased_backup_verification(pair, plain):
     """n-gram backups verified as if drawn from a uniform proposal instead of one-hot: a biased path."""
     _assert_broken_proposer_detected(pair, plain, "UniformBackupProbsProposer",
                                      _ssd(pair, fanout_budget=1, backup="ngram"), seed=6)
+
+
+def test_ssd_block_edges_topups_and_online_c_match_target_distribution(plain, ssd_long):
+    # Positions past the first block edge (output 3 is context position 8) and the second (output 11).
+    _assert_same(plain.tokens["t1"], ssd_long.tokens["t1"], positions=(1, 2, 3, 4, 7, 11),
+                 joints=((2, 3), (10, 11)))
+    s = ssd_long.saguaro
+    shown = {k.replace("vllm:saguaro_", ""): v for k, v in s.items() if "_total" in k}
+    hits = _counter(ssd_long, "cache_hits")
+    sampled = _counter(ssd_long, "sampled_drafts")
+    scaled = s.get('vllm:saguaro_sampled_drafts_total{scaled="true"}', 0.0)
+    # Each path carries a share of the run large enough for a bias on it to show in the test above.
+    assert s.get('vllm:saguaro_branch_blocks_total{kind="fork_copy"}', 0) > 0.1 * hits, shown
+    assert s.get('vllm:saguaro_branch_blocks_total{kind="growth"}', 0) > 0.1 * hits, shown
+    assert _counter(ssd_long, "topups") > 0.05 * hits > 0, shown
+    # The online choice used scaled arms (C < 1) for a good part of the sampled drafts, and C = 1 too.
+    assert 0.2 * sampled < scaled < sampled, shown
+    assert 0 < ssd_long.spec.accepted < ssd_long.spec.draft_tokens

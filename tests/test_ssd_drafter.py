@@ -178,3 +178,30 @@ def test_fixed_fanout_applies_to_ngram_rounds_and_short_drafts(draft_model):
     assert own._fanout_for(_Sent(10, [1, 2, 3, 4], fast=False), 99) == [2, 1, 1, 1, 3]
     auto = make_drafter(draft_model)
     assert sum(auto._fanout_for(_Sent(10, [1, 2, 3, 4], fast=False), 7)) == 7
+
+
+@pytest.mark.parametrize("tokens", ["fanout", "fanout+1"])
+def test_saguaro_sampling_scales_the_top_f_or_f_plus_1_tokens(draft_model, tokens):
+    """A just-in-time draft after a pre-draft round (fan-out 2 at depth 0): its depth-0 proposal is the
+    draft's softmax with the top F (`fanout`) or F+1 (`fanout+1`) tokens scaled by C, renormalised."""
+    c = 0.25
+    drafter = make_drafter(draft_model, fanout=[2, 1, 1, 1, 1], sampling_scale=c, sampling_scale_tokens=tokens)
+    ctx = list(range(2, 30))
+    first = drafter.step(StepRequest(1, [RowUpdate("s", 0, ctx, K, SamplingSpec(temperature=1.0, seed=3))], []))
+    ring_probs(drafter, first)
+    drafter.answered()
+    while drafter.busy:
+        drafter.advance()
+    predrafted = {t for _, t in drafter.cache.outcomes("s")}
+    miss = next(t for t in range(2, 300) if t not in predrafted and t != first.drafts[0][0])
+    ctx = ctx + [miss]  # nothing accepted, a bonus no branch starts with: a miss drafted just in time
+    resp = drafter.step(StepRequest(2, [RowUpdate("s", len(ctx) - 1, [miss], K)], []))
+    assert resp.row_status == ["jit"] and resp.ssd["scaled_drafts"] == K
+    q = torch.from_numpy(ring_probs(drafter, resp)[0][0]).double()
+    p = torch.softmax(draft_logits(draft_model, ctx).double(), -1)
+    f = 2 + (tokens == "fanout+1")
+    top = torch.argsort(p, descending=True)[:f]
+    expect = p.clone()
+    expect[top] *= c
+    expect /= expect.sum()
+    assert torch.allclose(q, expect, rtol=1e-4, atol=1e-7), (q[top], expect[top])

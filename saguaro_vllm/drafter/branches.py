@@ -102,9 +102,10 @@ def bonus_distributions(draft_logits: Sequence[torch.Tensor], glue_logits: torch
 def _admit(
     runner: DraftModelRunner, roots: Sequence[BranchRoot], candidates: Sequence[Sequence[tuple[int, int]]],
     steps: list[int],
-) -> list[list[Branch]]:
+) -> tuple[list[list[Branch]], int, int]:
     """Fork and reserve every branch that fits, rank by rank across requests (the first candidate of every
-    request before anyone's second), so a full cache drops the least likely outcomes first."""
+    request before anyone's second), so a full cache drops the least likely outcomes first. Also returns the
+    KV blocks the forks copied (a fork point inside a block) and those reserved for growth past block edges."""
     for root, cands in zip(roots, candidates, strict=True):  # all checks first: no fork to undo
         if len(set(cands)) != len(cands):
             raise ValueError(f"request {root.req_id!r}: duplicate candidates")
@@ -116,23 +117,28 @@ def _admit(
                 raise ValueError(f"request {root.req_id!r}: depth {j} needs {root.context_len + j} tokens of "
                                  f"KV, {computed} are computed (depth K needs the glue first)")
     admitted: list[list[Branch]] = [[] for _ in roots]
+    copies = growth = 0
     for rank in range(max((len(c) for c in candidates), default=0)):
         for r, root in enumerate(roots):
             if rank >= len(candidates[r]) or steps[r] < 1:
                 continue
             depth, bonus = candidates[r][rank]
             seq_id = branch_seq_id(root.req_id, depth, bonus)
+            free = runner.num_free_blocks
             try:
                 runner.fork(root.req_id, seq_id, root.context_len + depth)
             except OutOfBlocksError:
                 continue
+            forked = runner.num_free_blocks
             try:
                 runner.reserve(seq_id, steps[r])
             except OutOfBlocksError:
                 runner.free_request(seq_id)
                 continue
+            copies += free - forked
+            growth += forked - runner.num_free_blocks
             admitted[r].append(Branch(root.req_id, depth, bonus, seq_id, []))
-    return admitted
+    return admitted, copies, growth
 
 
 class BranchRun:
@@ -162,9 +168,11 @@ class BranchRun:
             raise ValueError("a request appears twice among the roots")
         self.runner, self.propose, self.keep_logits, self.vocab_size = runner, propose, keep_logits, vocab_size
         steps = [num_steps if num_steps is not None else r.k for r in roots]
-        groups = _admit(runner, roots, candidates, steps)
+        groups, self.fork_copies, self.growth_blocks = _admit(runner, roots, candidates, steps)
         # (steps wanted, context length, branch), grouped by root
         self._flat = [(steps[r], roots[r].context_len, b) for r, group in enumerate(groups) for b in group]
+        #: `fork_copies`: KV blocks copied by forks inside a block; `growth_blocks`: blocks reserved for the
+        #: branches' tokens past a block edge (all of a round's blocks are taken here, none by `step`).
         #: candidates left out because the KV cache had no room for them
         self.dropped = sum(len(c) for c in candidates) - len(self._flat)
         self._logits: list[list[torch.Tensor]] = [[] for _ in self._flat]

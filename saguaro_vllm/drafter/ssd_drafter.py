@@ -99,7 +99,7 @@ class SSDStats:
     scaled_drafts: int = 0  # ... of them drafted in a round whose Saguaro sampling C was below 1
     scale_sum: float = 0.0  # sum of C over the sampled draft tokens (mean C = scale_sum / sampled_drafts)
     fork_copies: int = 0  # partial KV blocks copied when the pre-draft forked its branches
-    branch_blocks: int = 0  # KV blocks branches allocated as they grew past a block edge
+    branch_blocks: int = 0  # KV blocks reserved for branches' tokens past a block edge
 
 
 def _ranked(scores: torch.Tensor, drafts) -> list[list[int]]:
@@ -536,18 +536,16 @@ class SSDDrafter(SyncDrafter):
                 if not self._sent[root.req_id].fast:
                     self._fanout = fan
                 candidates.append(select_candidates(sc, root.drafts, fan))
-            free = self.runner.num_free_blocks
             run = BranchRun(self.runner, roots, candidates, num_steps=plan.steps, propose=self._propose_branches,
                             keep_logits=True, vocab_size=self.vocab_size)
             self._run = run
             stats.dropped = run.dropped
-            stats.fork_copies = max(0, free - self.runner.num_free_blocks)
+            stats.fork_copies, stats.branch_blocks = run.fork_copies, run.growth_blocks
             while not run.done:
                 s0 = time.perf_counter()
-                rows, free = run.live_rows, self.runner.num_free_blocks
+                rows = run.live_rows
                 run.step()
                 self._costs.append((rows, time.perf_counter() - s0))
-                stats.branch_blocks += max(0, free - self.runner.num_free_blocks)
                 yield
         finally:
             if run is not None:
