@@ -173,15 +173,18 @@ def test_plan_predraft_prefers_depth_and_stays_in_time():
 def test_branches_pay_off():
     from saguaro_vllm.drafter.predictor import branches_pay_off
 
-    cost = StepCostModel(0.015, 0.001)  # J = 5 x step(B)
+    cost = StepCostModel(0.015, 0.001)  # a jit draft of one row: 5 x 16 ms
     args = dict(k=5, verify_s=0.3, cost=cost, alpha=0.6, tokens_ngram=1.1)
-    # Batch 1: a hit saves J = 80 ms with probability h; worth 10 ms of lateness at h = 0.3, not 30 ms.
-    assert branches_pay_off(0.3, 1, late_s=0.010, ngram_allowed=False, **args)
-    assert not branches_pay_off(0.3, 1, late_s=0.030, ngram_allowed=False, **args)
-    # Batch 4, h = 0.3: all four hit 0.8 % of rounds; n-gram backups do not rescue a low hit rate.
-    assert not branches_pay_off(0.3, 4, late_s=0.005, ngram_allowed=True, **args)
-    # A high hit rate at batch 16: with n-gram backups the hits carry the round even when one row misses.
-    assert branches_pay_off(0.9, 16, late_s=0.040, ngram_allowed=True, **{**args, "alpha": 0.9})
-    assert not branches_pay_off(0.9, 16, late_s=0.040, ngram_allowed=False, **{**args, "alpha": 0.9})
+    # Batch 1: a hit saves the 80 ms jit draft with probability h = 0.3; worth 20 ms of lateness, not 30.
+    for policy in ("jit", "auto"):
+        assert branches_pay_off(0.3, 1, late_s=0.020, policy=policy, **args)
+        assert not branches_pay_off(0.3, 1, late_s=0.030, policy=policy, **args)
+    # Batch 4, h = 0.5: with jit backups one miss (15 of 16 rounds) stalls every row and the steps only
+    # delay the answer; with per-row backups the hits are answered and the misses keep n-gram drafts.
+    sampled = {**args, "verify_s": 0.28, "alpha": 0.7}
+    assert not branches_pay_off(0.5, 4, late_s=0.015, policy="jit", **sampled)
+    assert branches_pay_off(0.5, 4, late_s=0.015, policy="auto", **sampled)
+    # Too few hits for either: no branch steps.
+    assert not branches_pay_off(0.1, 4, late_s=0.015, policy="auto", **sampled)
     # No lateness: always worth it when any hit is possible.
-    assert branches_pay_off(0.05, 8, late_s=0.0, ngram_allowed=False, **args)
+    assert branches_pay_off(0.05, 8, late_s=0.0, policy="jit", **args)

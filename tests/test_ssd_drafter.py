@@ -205,3 +205,33 @@ def test_saguaro_sampling_scales_the_top_f_or_f_plus_1_tokens(draft_model, token
     expect[top] *= c
     expect /= expect.sum()
     assert torch.allclose(q, expect, rtol=1e-4, atol=1e-7), (q[top], expect[top])
+
+
+@pytest.mark.parametrize(("verify_s", "expect"), [(0.1, "ngram"), (10.0, "jit")])
+def test_one_miss_among_hits_is_drafted_now_only_when_worth_the_wait(draft_model, verify_s, expect):
+    """Backup `auto`, per row: 7 rows hit and one misses. Drafting the miss now (4 forwards of ~10 ms) would
+    hold 7 hit rows that commit ~400 tokens/s on a 0.1 s verification: it gets its n-gram drafts instead;
+    behind a 10 s verification the same wait is worth it and the miss is drafted just in time."""
+    rng = np.random.default_rng(8)
+    drafter = make_drafter(draft_model, backup="auto", fanout=[1, 1, 1, 1, 2])
+    ctxs = {f"r{i}": list(map(int, rng.integers(2, 300, 12))) for i in range(8)}
+    first = drafter.step(StepRequest(1, [RowUpdate(rid, 0, c, K, SamplingSpec()) for rid, c in ctxs.items()], []))
+    drafter.answered()
+    while drafter.busy:
+        drafter.advance()
+    rows = []
+    for j, (rid, ctx) in enumerate(ctxs.items()):
+        cached = {t for d, t in drafter.cache.outcomes(rid) if d == K}
+        bonus = min(cached) if j < 7 else next(t for t in range(2, 300) if t not in cached)
+        rows.append(RowUpdate(rid, len(ctx), first.drafts[j] + [bonus], K))  # every draft accepted
+    drafter._costs.clear()  # a measured draft forward: 9 ms + 1 ms per row
+    drafter._costs.extend([(1, 0.010), (2, 0.011), (4, 0.013)])
+    drafter._answered_at = time.monotonic() - verify_s
+    resp = drafter.step(StepRequest(2, rows, [], sent_at=time.monotonic()))
+    assert resp.row_status == ["hit"] * 7 + [expect], resp.row_status
+    assert resp.ssd["backup"] == expect
+    miss_ctx = ctxs["r7"] + rows[7].new_tokens
+    want = ngram_drafts(miss_ctx, K) if expect == "ngram" else greedy_continuation(draft_model, miss_ctx, K)
+    assert resp.drafts[7] == want
+    for j in range(7):
+        assert resp.drafts[j] == greedy_continuation(draft_model, ctxs[f"r{j}"] + rows[j].new_tokens, K)

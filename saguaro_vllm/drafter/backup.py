@@ -1,23 +1,28 @@
-"""What a speculation-cache miss gets (ssd-algorithm.md §5), and the rule that picks it per step.
+"""What a speculation-cache miss gets (ssd-algorithm.md §5), and the rule that picks it per row.
 
 - `jit`: the draft model drafts K tokens now, on the critical path (as `mode: sync` would).
 - `ngram`: copy the tokens that followed the latest earlier occurrence of the context's last n tokens
-  (n = 3, 2, 1): nearly free, verified one-hot (exact for any deterministic choice), rarely accepted.
+  (n = 3, 2, 1): nearly free, verified one-hot (exact for any deterministic choice), rarely accepted;
+  a context without any earlier occurrence gets no drafts (the verification yields its bonus token).
 
-`choose_backup` compares the expected tokens per second of the whole step both ways. Hit rows yield the
-same tokens either way; miss rows yield `E(alpha_neural)` with jit and `E_ngram` with n-gram drafts (the
-measured mean of tokens per verification of n-gram rows, rows without any n-gram draft counted as the 1
-token they yield: an acceptance rate of the drafts there are would overrate them);
-jit adds its drafting time to the round, n-gram adds nothing. So jit wins when
+`choose_draft_now` decides per row which rows are drafted on the critical path this step: misses (jit
+instead of their n-gram drafts) and hits whose branch was cut short (topped up to K instead of sent as they
+are). Drafting now is one batched forward per step over the rows still drafting, so its time is
+`fixed x steps + per_row x rows fed`, while each row drafted adds its own expected tokens: a row is worth
+drafting when the tokens it adds outweigh the time every row of the batch then waits. Candidates are
+taken in order of gain per forward row, and the prefix that maximises the step's expected tokens per
+second
 
-    (H + m) E_jit / (T_verify + T_jit(m))  >=  (H E_jit + m E_ngram) / T_verify
+    (tokens of every row without drafting now + gains of the rows drafted) / (T_verify + T_now(rows))
 
-with H hit rows, m miss rows. One miss in a large batch stalls every row, which is why n-gram backups take
-over at large batch sizes or low hit rates; with no timings yet, jit is chosen.
+is drafted. At batch 1 with a fast drafter that is the miss (jit); in a batch of 16 one miss is usually
+left to its n-gram drafts so 15 hit rows do not wait. `step_rate` is the same rule in expectation over
+how many of a batch's rows miss, which decides whether pre-drafting branches pays at all.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,26 +59,89 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 @dataclass(frozen=True)
-class BackupInputs:
-    hits: int  # rows answered from the speculation cache this step
-    misses: int  # rows that need a backup
-    k: int
-    alpha_neural: float
-    tokens_ngram: float  # measured tokens per verification of an n-gram row (>= 1)
-    verify_s: float | None  # measured verification time (None: not measured yet)
-    jit_s: float | None  # estimated time to draft K tokens for the miss rows now (None: unknown)
+class DraftNow:
+    """A row that can be drafted on the critical path: a miss (jit) or a hit cut short (`topup`)."""
+
+    row: int
+    feed: int  # tokens its first forward feeds (the context the draft model has not seen; 1 for a top-up)
+    steps: int  # forwards it needs: its number of drafts (a miss) or the missing tail (a top-up)
+    gain: float  # expected tokens its verification gains when drafted now instead of left as it is
+    topup: bool = False
+
+    @property
+    def rows_fed(self) -> int:
+        return self.feed + self.steps - 1
 
 
-def choose_backup(policy: str, x: BackupInputs) -> str:
-    """`"jit"` or `"ngram"` for this step's misses under `policy` (auto|jit|ngram); see the module doc."""
-    if policy in ("jit", "ngram"):
-        return policy
-    if policy != "auto":
+def draft_now_s(rows: Sequence[DraftNow], fixed_s: float, per_row_s: float) -> float:
+    """Seconds to draft `rows` now in batched forwards: max(steps) forwards, the first feeding every row's
+    `feed` tokens, each later one the rows still drafting (the linear draft step cost model)."""
+    if not rows:
+        return 0.0
+    return fixed_s * max(r.steps for r in rows) + per_row_s * sum(r.rows_fed for r in rows)
+
+
+def choose_draft_now(candidates: Sequence[DraftNow], base_tokens: float, verify_s: float | None,
+                     fixed_s: float | None, per_row_s: float | None, policy: str = "auto",
+                     rate: float | None = None) -> list[int]:
+    """The rows to draft now (see the module doc), sorted. `base_tokens`: the step's expected tokens if
+    none is drafted now. With `rate` (the long-run tokens per second of the batch) a set of rows is scored
+    by `tokens - rate x seconds`, which maximises the long-run rate; without it, by the step's own tokens
+    per second. Policy `jit` drafts every candidate, `ngram` only the top-ups (misses keep their n-gram
+    drafts); `auto` drafts every candidate until the timings are measured (`mode: sync`'s choice)."""
+    if policy not in ("auto", "jit", "ngram"):
         raise ValueError(f"unknown backup policy {policy!r}")
-    if x.misses == 0 or x.verify_s is None or x.jit_s is None or x.verify_s <= 0:
-        return "jit"
-    e_jit = expected_tokens(x.alpha_neural, x.k)
-    e_ngram = x.tokens_ngram
-    with_jit = (x.hits + x.misses) * e_jit / (x.verify_s + x.jit_s)
-    with_ngram = (x.hits * e_jit + x.misses * e_ngram) / x.verify_s
-    return "jit" if with_jit >= with_ngram else "ngram"
+    if policy == "ngram":
+        return sorted(c.row for c in candidates if c.topup)
+    if policy == "jit" or verify_s is None or fixed_s is None or per_row_s is None or verify_s <= 0:
+        return sorted(c.row for c in candidates)
+
+    def score(tokens: float, seconds: float) -> float:
+        return tokens - rate * seconds if rate is not None else tokens / seconds
+
+    order = sorted(candidates, key=lambda c: c.gain / c.rows_fed, reverse=True)
+    best, best_score = 0, score(base_tokens, verify_s)
+    gains, fed, steps = 0.0, 0, 0
+    for m, c in enumerate(order, 1):
+        gains += c.gain
+        fed += c.rows_fed
+        steps = max(steps, c.steps)
+        value = score(base_tokens + gains, verify_s + fixed_s * steps + per_row_s * fed)
+        if value > best_score:
+            best, best_score = m, value
+    return sorted(c.row for c in order[:best])
+
+
+def step_rate(batch: int, hit_rate: float, k: int, alpha: float, tokens_fast: float, feed: int,
+              verify_s: float, fixed_s: float, per_row_s: float, policy: str = "auto") -> float:
+    """Long-run tokens per second of steps of `batch` rows that each hit the cache with `hit_rate` (hits
+    yield E(alpha, K); misses are drafted now or keep their fast backup's `tokens_fast`, as
+    `choose_draft_now` decides at that rate): E[tokens] / E[seconds] over the binomial number of misses,
+    the rate found by Dinkelbach's iteration (each pass scores the choices at the previous pass's rate; it
+    rises to the best long-run rate in a few passes). `verify_s` includes any lateness the step's branches
+    cause.
+
+    >>> round(step_rate(1, 0.0, 5, 0.8, 1.0, 1, 0.1, 0.01, 0.001), 1)  # batch 1, a miss: drafted now
+    23.8
+    >>> round(step_rate(16, 0.9, 5, 0.8, 1.1, 1, 0.1, 0.01, 0.001), 1)  # few misses in 16: left to n-gram
+    548.9
+    >>> round(step_rate(16, 0.9, 5, 0.8, 1.1, 1, 0.1, 0.01, 0.001, "jit"), 1)  # every miss drafted now
+    396.9
+    """
+    e_hit = expected_tokens(alpha, k)
+    gain = e_hit - tokens_fast
+    counts = [(m, math.comb(batch, m) * (1.0 - hit_rate) ** m * hit_rate ** (batch - m)) for m in range(batch + 1)]
+    counts = [(m, p) for m, p in counts if p > 0.0]
+    rate = None
+    for _ in range(4):
+        tokens = seconds = 0.0
+        for m, p in counts:
+            base = (batch - m) * e_hit + m * tokens_fast
+            misses = [DraftNow(i, feed, k, gain) for i in range(m)]
+            n = len(choose_draft_now(misses, base, verify_s, fixed_s, per_row_s, policy, rate)) if m else 0
+            tokens += p * (base + n * gain)
+            seconds += p * (verify_s + draft_now_s(misses[:n], fixed_s, per_row_s))
+        if rate is not None and tokens / seconds <= rate * (1 + 1e-9):
+            break
+        rate = tokens / seconds
+    return rate

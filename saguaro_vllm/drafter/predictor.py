@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro_vllm.drafter.backup import expected_tokens
+from saguaro_vllm.drafter.backup import expected_tokens, step_rate
 
 #: Exponent of the power-law miss rate P(miss | f) = f^-r. A modelling prior (the per-depth hit counters
 #: of the speculation cache can refine it); it only shapes how steeply the fan-out falls with depth.
@@ -137,8 +137,11 @@ class OutcomePredictor:
         self.r = r
         self.neural = neural or AcceptanceEstimate()
         self.backup = backup or AcceptanceEstimate(prior=0.0)
-        #: tokens per verification of n-gram rows (what the backup choice compares with jit's E(alpha))
+        #: tokens per verification of n-gram rows, rows without any n-gram draft counted as their 1 token
+        #: (what pre-drafting expects of a miss left to its fast backup)
         self.ngram_tokens = TokensEstimate()
+        #: the same over rows that had n-gram drafts (what the per-row backup choice weighs against jit)
+        self.ngram_matched = TokensEstimate()
 
     def observe(self, accepted: int, k: int, fast_backup: bool = False) -> None:
         (self.backup if fast_backup else self.neural).observe(accepted, k)
@@ -249,27 +252,26 @@ def plan_predraft(verify_s: float, cost: StepCostModel, batch_size: int, k: int,
 
 
 def branches_pay_off(hit_rate: float, batch_size: int, k: int, verify_s: float, late_s: float,
-                     cost: StepCostModel, alpha: float, tokens_ngram: float, ngram_allowed: bool) -> bool:
+                     cost: StepCostModel, alpha: float, tokens_ngram: float, policy: str = "auto") -> bool:
     """Whether a round's branch steps are worth the lateness `late_s` they cause (the answer waits for the
-    pre-draft forward in flight). Without them every row misses and gets K just-in-time draft steps over
-    the batch, J = K x step(B): tokens B E over V + J. With them:
-    - jit backups: one miss still costs J, so they save J only when all B rows hit (h^B): better iff
-      late < h^B J;
-    - n-gram backups (`auto`): no J, but misses yield E_ngram: (h B E + (1 - h) B E_ngram) / (V + late).
-    At T=0 rows hit often and this holds; with a sampled pair whose hit rate is low and a batch of
-    several rows, one miss is almost certain and the branch steps only delay the answer.
+    pre-draft forward in flight): the expected tokens per second of the next step with them (each row hits
+    with `hit_rate`, over `verify_s + late_s`) against without them (every row misses), each miss getting
+    the per-row backup `backup.choose_draft_now` would give it (`backup.step_rate`). With per-row backups
+    a miss in a batch no longer stalls the hits, so at batch > 1 pre-drafting pays at a modest hit rate
+    where one miss used to put K draft forwards on every row's path.
 
     >>> cost = StepCostModel(0.015, 0.001)
-    >>> branches_pay_off(0.95, 8, 5, 0.4, 0.04, cost, 0.9, 1.1, True)
+    >>> branches_pay_off(0.95, 8, 5, 0.4, 0.04, cost, 0.9, 1.1)
     True
-    >>> branches_pay_off(0.3, 4, 5, 0.28, 0.015, cost, 0.6, 1.1, True)
+    >>> branches_pay_off(0.5, 4, 5, 0.28, 0.015, cost, 0.7, 1.1, "jit")  # one miss stalls all: no
+    False
+    >>> branches_pay_off(0.5, 4, 5, 0.28, 0.015, cost, 0.7, 1.1)  # hits answered, misses left to n-gram
+    True
+    >>> branches_pay_off(0.3, 4, 5, 0.28, 0.015, cost, 0.7, 1.1)  # too few hits either way
     False
     """
-    jit_s = k * cost.step_s(batch_size)
-    if late_s < hit_rate ** batch_size * jit_s:
-        return True
-    if not ngram_allowed:
-        return False
-    e = expected_tokens(alpha, k)
-    with_branches = (hit_rate * e + (1 - hit_rate) * tokens_ngram) / (verify_s + late_s)
-    return with_branches > e / (verify_s + jit_s)
+    args = (k, alpha, tokens_ngram, 1)
+    with_branches = step_rate(batch_size, hit_rate, *args, verify_s + late_s, cost.fixed_s, cost.per_row_s,
+                              policy)
+    without = step_rate(batch_size, 0.0, *args, verify_s, cost.fixed_s, cost.per_row_s, policy)
+    return with_branches > without

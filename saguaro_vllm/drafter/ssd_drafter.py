@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
-from saguaro_vllm.drafter.backup import BackupInputs, choose_backup, ngram_drafts
+from saguaro_vllm.drafter.backup import DraftNow, choose_draft_now, expected_tokens, ngram_drafts
 from saguaro_vllm.drafter.branches import BranchRoot, BranchRun
 from saguaro_vllm.drafter.predictor import (
     MAX_RANK,
@@ -136,6 +136,10 @@ class SSDDrafter(SyncDrafter):
         #: answer time of steps whose misses were drafted just in time, and of steps that all hit: their
         #: difference is what a miss costs the online C choice
         self._answer_s: dict[str, float | None] = {"miss": None, "hit": None}
+        #: committed tokens per second of the batch (verification + answer), the long-run rate that the
+        #: per-row backup choice weighs a row's gain against; and the last answer's seconds
+        self._rate: float | None = None
+        self._last_answer_s = 0.0
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def _release(self, seq_id: str) -> None:
@@ -242,6 +246,7 @@ class SSDDrafter(SyncDrafter):
                     self.predictor.observe(outcome.accepted, len(sent.drafts), fast_backup=sent.fast)
                     if sent.fast:
                         self.predictor.ngram_tokens.observe(outcome.accepted + 1)
+                        self.predictor.ngram_matched.observe(outcome.accepted + 1)
                     if sent.ranked is not None and not sent.fast:
                         ranked = sent.ranked[outcome.accepted]
                         self.ranks.observe(ranked.index(outcome.bonus) if outcome.bonus in ranked else MAX_RANK)
@@ -285,24 +290,29 @@ class SSDDrafter(SyncDrafter):
                 continue
             misses.append(i)
 
-        kind = self._choose_backup(req, len(req.rows) - len(misses), misses)
-        stats.backup = kind if misses else ""
-        if kind == NGRAM:
-            for i in misses:
-                st = self.reqs[req.rows[i].req_id]
-                drafts[i] = ngram_drafts(st.context, want[i])
-                if not drafts[i]:  # no earlier occurrence: this verification yields the bonus token alone
-                    self.predictor.ngram_tokens.observe(1)
-                st.drafted, st.draft_logits = [], []
-                status[i] = NGRAM if status[i] == JIT else status[i]
+        self._measure_rate(req, status, stats)
+        ngram = {i: ngram_drafts(self.reqs[req.rows[i].req_id].context, want[i]) for i in misses}
+        now = set(self._choose_draft_now(req, status, drafts, misses, topups, ngram, want))
+        jit_rows = [i for i in misses if i in now]
+        topups = [(i, more) for i, more in topups if i in now]
+        stats.backup = "+".join(k for k, rows in ((JIT, jit_rows), (NGRAM, set(misses) - now)) if rows)
+        for i in misses:
+            if i in now:
+                continue
+            st = self.reqs[req.rows[i].req_id]
+            drafts[i] = ngram[i]
+            if not drafts[i]:  # no earlier occurrence: this verification yields the bonus token alone
+                self.predictor.ngram_tokens.observe(1)
+            st.drafted, st.draft_logits = [], []
+            status[i] = NGRAM if status[i] == JIT else status[i]
         stats.topups = len(topups)
-        self._draft_now(req, drafts, probs, topups, [i for i in misses if kind == JIT], want)
+        self._draft_now(req, drafts, probs, topups, jit_rows, want)
         for i in self._end_step(drafts):
             status[i] = NO_ROOM
         probs_slot, probs_rows = self._publish_probs(req, drafts, probs)
 
         roots = []
-        fast_rows = set(misses) if kind == NGRAM else set()
+        fast_rows = set(misses) - now
         for i, row in enumerate(req.rows):
             if not drafts[i]:
                 continue
@@ -322,8 +332,8 @@ class SSDDrafter(SyncDrafter):
         if roots:
             self._work = self._predraft_rounds(roots)
         stats.alpha = self.predictor.neural.alpha
-        self._time_answer(time.perf_counter() - t0, jit_misses=bool(misses) and kind == JIT,
-                          all_hit=not misses and HIT in status)
+        self._last_answer_s = time.perf_counter() - t0
+        self._time_answer(self._last_answer_s, jit_misses=bool(jit_rows), all_hit=not jit_rows and HIT in status)
         resp = StepResponse(req.step, drafts, {}, time.perf_counter() - t0, resync,
                             live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
                             row_status=status, row_depth=depth, ssd=dataclasses.asdict(stats),
@@ -344,21 +354,42 @@ class SSDDrafter(SyncDrafter):
                 self._late_s = _smooth(self._late_s, stats.late_s)
         self._answered_at = None
 
-    def _choose_backup(self, req: StepRequest, hits: int, misses: list[int]) -> str:
-        policy = self.opts.get("backup", "auto")
-        if not misses or policy != "auto":
-            return JIT if policy == "auto" else policy
-        k = max(req.rows[i].num_drafts for i in misses)
+    def _measure_rate(self, req: StepRequest, status: list[str], stats: SSDStats) -> None:
+        """Committed tokens per second over the last verification and answer, from steps whose rows all
+        finished a round (a step with new requests may follow an idle engine: its gap is no verification)."""
+        if stats.verify_s <= 0 or NEW in status or not req.rows:
+            return
+        tokens = sum(len(row.new_tokens) for row, st in zip(req.rows, status) if st in (HIT, JIT))
+        self._rate = _smooth(self._rate, tokens / (stats.verify_s + self._last_answer_s))
+
+    def _choose_draft_now(self, req: StepRequest, status, drafts, misses, topups, ngram, want) -> list[int]:
+        """The rows drafted on the critical path this step (`backup.choose_draft_now`): each miss gains
+        E(alpha, K) over its n-gram drafts (their measured tokens per verification, or the bonus token alone
+        where there are none), each hit cut short E(alpha, K) over its s tokens."""
+        if not misses and not topups:
+            return []
+        alpha = self.predictor.neural.alpha
+        e_ngram = self.predictor.ngram_matched.mean
+        candidates, base = [], 0.0
+        for i, row in enumerate(req.rows):
+            if i in ngram:
+                st = self.reqs[row.req_id]
+                computed = self.runner.num_computed(row.req_id) if self.runner.has_request(row.req_id) else 0
+                fast = e_ngram if ngram[i] else 1.0
+                candidates.append(DraftNow(i, max(1, len(st.context) - computed), want[i],
+                                           expected_tokens(alpha, want[i]) - fast))
+                base += fast
+            elif status[i] == HIT:
+                base += expected_tokens(alpha, len(drafts[i]))
+            else:
+                base += 1.0
+        for i, more in topups:
+            have = len(drafts[i])
+            candidates.append(DraftNow(i, 1, more, expected_tokens(alpha, have + more)
+                                       - expected_tokens(alpha, have), topup=True))
         cost = self._cost_model()
-        jit_s = None
-        if cost is not None:
-            first = sum(max(1, len(self.reqs[req.rows[i].req_id].context)
-                            - (self.runner.num_computed(req.rows[i].req_id)
-                               if self.runner.has_request(req.rows[i].req_id) else 0)) for i in misses)
-            jit_s = cost.step_s(first) + (k - 1) * cost.step_s(len(misses))
-        return choose_backup("auto", BackupInputs(
-            hits=hits, misses=len(misses), k=k, alpha_neural=self.predictor.neural.alpha,
-            tokens_ngram=self.predictor.ngram_tokens.mean, verify_s=self._verify_s, jit_s=jit_s))
+        return choose_draft_now(candidates, base, self._verify_s, cost and cost.fixed_s, cost and cost.per_row_s,
+                                self.opts.get("backup", "auto"), rate=self._rate)
 
     def _draft_now(self, req: StepRequest, drafts, probs, topups, jit_rows, want) -> None:
         """Draft on the critical path: `want[row]` (K) tokens for jit misses, the missing tail of hits cut
@@ -500,7 +531,7 @@ class SSDDrafter(SyncDrafter):
             return True
         return branches_pay_off(plan.hit_rate, batch, k, self._verify_s, self._late_s, cost,
                                 self.predictor.neural.alpha, self.predictor.ngram_tokens.mean,
-                                ngram_allowed=self.opts.get("backup", "auto") != "jit")
+                                self.opts.get("backup", "auto"))
 
     def _fanout_for(self, sent: _Sent, budget: int) -> list[int]:
         k = len(sent.drafts)
