@@ -2,7 +2,7 @@
 
 ```json
 {"method": "saguaro", "model": "<draft dir or HF id>", "num_speculative_tokens": 5,
- "saguaro": {"mode": "sync", "device": "auto", ...}}
+ "saguaro": {"mode": "async", "device": "auto", ...}}
 ```
 Every Saguaro knob lives in the nested `"saguaro"` object (`SaguaroOptions`); `docs/configuration.md`
 documents each field. Errors name the field and the fix, and are raised in the front-end process, before
@@ -22,7 +22,7 @@ ADDITIONAL_CONFIG_KEY = "saguaro"
 MAX_SPECULATIVE_TOKENS = 32
 #: Options of `mode: "async"` (SSD) only: giving one with `mode: "sync"` is an error, not silently ignored.
 ASYNC_ONLY = ("fanout", "fanout_budget", "max_fanout_budget", "miss_fanout", "backup", "finish_predraft",
-              "sampling_scale", "sampling_scale_tokens")
+              "sampling_scale", "sampling_scale_tokens", "depth")
 
 
 class SaguaroConfigError(ValueError):
@@ -36,10 +36,11 @@ class SaguaroOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     mode: Literal["sync", "async"] = Field(
-        "sync",
-        description="`sync`: the drafter drafts K tokens after each verification while the target waits "
-        "(optimized speculative decoding). `async`: speculative speculative decoding (SSD): the drafter "
-        "pre-drafts likely outcomes during verification.",
+        "async",
+        description="`async` (default): speculative speculative decoding (SSD): the drafter pre-drafts "
+        "likely outcomes during verification and answers from its speculation cache. `sync`: the drafter "
+        "drafts K tokens after each verification while the target waits (optimized speculative decoding; "
+        "kept for comparison).",
     )
     device: str = Field(
         "auto",
@@ -124,8 +125,18 @@ class SaguaroOptions(BaseModel):
         "auto",
         description="`async` only: what a speculation-cache miss gets. `jit`: the drafter drafts K tokens "
         "now (on the critical path). `ngram`: drafts copied from an earlier occurrence of the context's "
-        "last tokens (nearly free, rarely accepted). `auto`: per step, whichever the measured timings, "
-        "hit rate, acceptance and batch size say yields more tokens per second (docs/algorithm.md).",
+        "last tokens (nearly free, rarely accepted). `auto`: per row, a miss (or a hit whose branch was cut "
+        "short) is drafted now only when the tokens it adds are worth the time the whole batch then waits, "
+        "given the measured timings, acceptance and the batch's tokens per second; the other misses keep "
+        "their n-gram drafts, so hit rows are not delayed (docs/algorithm.md).",
+    )
+    depth: Literal["fixed", "auto"] = Field(
+        "fixed",
+        description="`async` only: drafts per row. `fixed`: num_speculative_tokens (K) every step. `auto`: "
+        "num_speculative_tokens is the maximum (vLLM cannot verify more than the K it started with; start "
+        "with e.g. 8 to let it go deeper than 5) and each step the drafter returns the depth that "
+        "maximises the estimated tokens per second from the measured acceptance, cache hit rate, "
+        "verification time per verified token and draft step times (drafter/depth_choice.py).",
     )
     finish_predraft: bool = Field(
         False,

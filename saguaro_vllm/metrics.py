@@ -64,6 +64,10 @@ def _prometheus() -> dict:
                 "vllm:saguaro_fanout_budget",
                 "Pre-drafted branches per request planned in the last round (mode async).",
                 multiprocess_mode="livemax"),
+            "depth": prometheus_client.Gauge(
+                "vllm:saguaro_draft_depth",
+                "Drafts per row the drafter allowed in the last step (mode async, depth auto).",
+                multiprocess_mode="livemax"),
             "predraft": prometheus_client.Histogram(
                 "vllm:saguaro_predraft_seconds",
                 "Drafter time spent pre-drafting one round (mode async); compare with verify_seconds.",
@@ -151,6 +155,7 @@ class SaguaroMetrics:
         self.budget = 0
         self.cut_short = self.topups = self.rows_no_room = 0
         self.sampled_drafts = self.scaled_drafts = self.fork_copies = self.branch_blocks = 0
+        self.depth = 0
         self.scale_sum = 0.0
         self.failures_by_reason: dict[str, int] = {}
         self.restarts = 0
@@ -227,6 +232,10 @@ class SaguaroMetrics:
                 setattr(self, key, getattr(self, key) + int(ssd[key]))
                 if prom:
                     prom["branch_blocks"].labels(kind=kind).inc(int(ssd[key]))
+        if ssd.get("depth"):
+            self.depth = int(ssd["depth"])
+            if prom:
+                prom["depth"].set(self.depth)
         if ssd.get("cut_short"):
             self.cut_short += 1
             if prom:
@@ -304,5 +313,5 @@ class SaguaroMetrics:
             "failures_by_reason": dict(self.failures_by_reason), "restarts": self.restarts,
             "drafter_state": self.drafter_state, "sampled_drafts": self.sampled_drafts,
             "scaled_drafts": self.scaled_drafts, "scale_sum": self.scale_sum, "fork_copies": self.fork_copies,
-            "branch_blocks": self.branch_blocks,
+            "branch_blocks": self.branch_blocks, "depth": self.depth,
         }

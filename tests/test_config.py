@@ -122,6 +122,9 @@ BAD = [
      'or "auto"'),
     ({"saguaro": {"mode": "async", "sampling_scale_tokens": "fanout+1"}},
      "speculative_config.saguaro.sampling_scale_tokens:", "set sampling_scale below 1"),
+    ({"saguaro": {"mode": "async", "depth": "deep"}}, "speculative_config.saguaro.depth:", "'fixed' or 'auto'"),
+    ({"saguaro": {"mode": "sync", "depth": "auto"}}, "speculative_config.saguaro.depth: only used with mode",
+     "async"),
     # K
     ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens:", "between 1 and 32"),
     ({"num_speculative_tokens": 99}, "speculative_config.num_speculative_tokens:", "between 1 and 32"),
@@ -137,8 +140,9 @@ BAD = [
      "disjoint"),
     ({"saguaro": {"kv_cache_gb": 1e-9}}, "speculative_config.saguaro.kv_cache_gb:", "holds no KV block"),
     ({"saguaro": {"block_size": 7}}, "speculative_config.saguaro.block_size:", "one of 8, 16, 32, 64, 128"),
-    # async-only options with mode sync (the default)
-    ({"saguaro": {"fanout_budget": 2}}, "speculative_config.saguaro.fanout_budget: only used with mode 'async'",
+    # async-only options with mode sync
+    ({"saguaro": {"mode": "sync", "fanout_budget": 2}},
+     "speculative_config.saguaro.fanout_budget: only used with mode 'async'",
      "set saguaro.mode to 'async', or remove fanout_budget"),
     ({"saguaro": {"mode": "sync", "backup": "ngram"}}, "speculative_config.saguaro.backup: only used with mode "
      "'async'", "or remove backup"),
@@ -201,7 +205,7 @@ def test_vllm_serve_refuses_bad_config_before_any_engine(tiny_pair):
     from saguaro_vllm.server_process import vllm_command
 
     target, draft = tiny_pair
-    spec = {"saguaro": {"finish-predraft": True}}
+    spec = {"saguaro": {"mode": "sync", "finish-predraft": True}}
     needle = "speculative_config.saguaro.finish_predraft: only used with mode 'async' (SSD), but mode is 'sync'"
     t0 = time.monotonic()
     proc = subprocess.run([*vllm_command(), "serve", target, "--speculative-config", json.dumps(_full(draft, spec)),
@@ -246,4 +250,4 @@ def test_arg_loader_errors(tmp_path):
 
 def test_parse_defaults():
     cfg = parse_saguaro_config({"method": "saguaro", "model": "x", "num-speculative-tokens": 5})
-    assert cfg.saguaro.mode == "sync" and cfg.saguaro.block_size == 16
+    assert cfg.saguaro.mode == "async" and cfg.saguaro.block_size == 16

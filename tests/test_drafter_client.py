@@ -34,7 +34,7 @@ RECOVERY_S = 60.0  # a replacement drafter loads (fresh Python + torch) in the b
 def cfg(tiny_pair):
     return {"draft_path": tiny_pair[1], "device": "cpu", "draft_cores": [], "dtype": "float32",
             "vocab_size": read_model_info(tiny_pair[1]).vocab_size, "num_speculative_tokens": K,
-            "saguaro": {"block_size": 16, "kv_cache_gb": 0.01, "max_tokens_per_forward": 256,
+            "saguaro": {"mode": "sync", "block_size": 16, "kv_cache_gb": 0.01, "max_tokens_per_forward": 256,
                         "step_timeout_s": 20.0, "startup_timeout_s": 120.0, "log_interval_s": 0,
                         "step_deadline_floor_s": 1.0, "max_restarts": 5}}
 

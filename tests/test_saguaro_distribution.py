@@ -38,7 +38,7 @@ def plain(pair):
 
 @pytest.fixture(scope="module")
 def saguaro(pair):
-    spec = {"method": "saguaro", "model": str(pair[1]), "num_speculative_tokens": K}
+    spec = {"method": "saguaro", "model": str(pair[1]), "num_speculative_tokens": K, "saguaro": {"mode": "sync"}}
     return sample_outputs(pair[0], speculative_config=spec, variants=VARIANTS, num_samples=N, seed=1)
 
 
@@ -72,7 +72,7 @@ def _assert_broken_proposer_detected(pair, plain, proposer: str, spec: dict, see
 
 
 def test_check_detects_wrong_proposal_probabilities(pair, plain):
-    spec = {"method": "saguaro", "model": str(pair[1]), "num_speculative_tokens": K}
+    spec = {"method": "saguaro", "model": str(pair[1]), "num_speculative_tokens": K, "saguaro": {"mode": "sync"}}
     _assert_broken_proposer_detected(pair, plain, "WrongProbsProposer", spec, seed=2)
 
 

@@ -52,7 +52,7 @@ def plain(pair):
 
 @pytest.fixture(scope="module")
 def saguaro(pair):
-    spec = {"method": "saguaro", "model": str(pair[1]), "num_speculative_tokens": K}
+    spec = {"method": "saguaro", "model": str(pair[1]), "num_speculative_tokens": K, "saguaro": {"mode": "sync"}}
     runs, _ = run_tp_engine(pair[0], [_seeded(10**6), REPEAT], speculative_config=spec,
                             engine_kwargs={"distributed_executor_backend": "uni"}, seed=1)
     return runs

@@ -167,19 +167,6 @@ def test_sampled_rows_carry_their_proposal(draft_model):
     assert resp.row_status == ["hit"] and ring_probs(drafter, resp)[0].shape[0] == K and resp.row_depth == [K]
 
 
-def test_fixed_fanout_applies_to_ngram_rounds_and_short_drafts(draft_model):
-    from saguaro_vllm.drafter.ssd_drafter import _Sent
-
-    drafter = make_drafter(draft_model, fanout=[2, 1, 1, 1, 3])
-    assert drafter._fanout_for(_Sent(10, [1, 2, 3, 4], fast=True), 99) == [2, 1, 1, 1, 3]
-    assert drafter._fanout_for(_Sent(10, [1, 2], fast=True), 99) == [2, 1, 3]  # depths 0..k-1, then the last
-    own = make_drafter(draft_model, fanout=[2, 1, 1, 1, 3], miss_fanout=[4, 0, 0, 0, 1])
-    assert own._fanout_for(_Sent(10, [1, 2, 3, 4], fast=True), 99) == [4, 0, 0, 0, 1]
-    assert own._fanout_for(_Sent(10, [1, 2, 3, 4], fast=False), 99) == [2, 1, 1, 1, 3]
-    auto = make_drafter(draft_model)
-    assert sum(auto._fanout_for(_Sent(10, [1, 2, 3, 4], fast=False), 7)) == 7
-
-
 @pytest.mark.parametrize("tokens", ["fanout", "fanout+1"])
 def test_saguaro_sampling_scales_the_top_f_or_f_plus_1_tokens(draft_model, tokens):
     """A just-in-time draft after a pre-draft round (fan-out 2 at depth 0): its depth-0 proposal is the
@@ -224,9 +211,9 @@ def test_one_miss_among_hits_is_drafted_now_only_when_worth_the_wait(draft_model
         cached = {t for d, t in drafter.cache.outcomes(rid) if d == K}
         bonus = min(cached) if j < 7 else next(t for t in range(2, 300) if t not in cached)
         rows.append(RowUpdate(rid, len(ctx), first.drafts[j] + [bonus], K))  # every draft accepted
-    drafter._costs.clear()  # a measured draft forward: 9 ms + 1 ms per row
-    drafter._costs.extend([(1, 0.010), (2, 0.011), (4, 0.013)])
-    drafter._answered_at = time.monotonic() - verify_s
+    drafter.planner.costs.clear()  # a measured draft forward: 9 ms + 1 ms per row
+    drafter.planner.costs.extend([(1, 0.010), (2, 0.011), (4, 0.013)])
+    drafter.planner.answered_at = time.monotonic() - verify_s
     resp = drafter.step(StepRequest(2, rows, [], sent_at=time.monotonic()))
     assert resp.row_status == ["hit"] * 7 + [expect], resp.row_status
     assert resp.ssd["backup"] == expect

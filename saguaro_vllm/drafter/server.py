@@ -85,7 +85,7 @@ def build_drafter(cfg: dict):
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     if delay > 0:
         _slow_down(runner, delay)
-    mode = cfg["saguaro"].get("mode", "sync")
+    mode = cfg["saguaro"].get("mode", "async")
     info = {"num_blocks": num_blocks, "mode": mode, "linear": linear, "warmed_rows": warmed_rows,
             "warm_s": round(warm_s, 2)}
     if mode == "async":

@@ -3,8 +3,9 @@
 One round, per request (docs/algorithm.md has the whole story):
 1. `step` answers the proposer: each row's committed tokens imply an outcome (a accepted, bonus t); the
    speculation cache answers with the branch pre-drafted for it (hit: its runner sequence is adopted, so
-   its KV is kept, and a branch cut short is topped up to K tokens) or a backup drafts (miss: `jit` or
-   `ngram`, chosen per step by `backup.choose_backup`).
+   its KV is kept; a branch cut short may be topped up to K tokens) or a backup drafts (miss: `jit` or
+   `ngram`); which misses and cut-short hits are drafted now is decided per row by the `RoundPlanner`
+   (`round_planner.py`), which also holds every measurement and the pre-draft plan.
 2. Right after the answer is sent, `advance` runs the pre-drafting for the drafts just sent, one forward at
    a time: the glue step (KV and bonus distributions of every depth), candidate selection, then the
    branches' steps. Between forwards the server looks for the next request; when it comes, the pre-draft
@@ -18,7 +19,6 @@ one-hot by vLLM) or sampled from the proposal q' whose probabilities are sent wi
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import time
@@ -26,19 +26,10 @@ from collections.abc import Iterator
 
 import torch
 
-from saguaro_vllm.drafter.backup import DraftNow, choose_draft_now, expected_tokens, ngram_drafts
+from saguaro_vllm.drafter.backup import DraftNow, expected_tokens, ngram_drafts
 from saguaro_vllm.drafter.branches import BranchRoot, BranchRun
-from saguaro_vllm.drafter.predictor import (
-    MAX_RANK,
-    OutcomePredictor,
-    RankEstimate,
-    PreDraftPlan,
-    StepCostModel,
-    allocate_fanout,
-    branches_pay_off,
-    plan_predraft,
-    select_candidates,
-)
+from saguaro_vllm.drafter.predictor import MAX_RANK, select_candidates
+from saguaro_vllm.drafter.round_planner import RoundPlanner
 from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.scale_choice import ScaleChoice, temperature_bucket
 from saguaro_vllm.drafter.spec_cache import SpeculationCache
@@ -48,16 +39,6 @@ from saguaro_vllm.proposal_buffers import SlotWriter
 from saguaro_vllm.transport import StepRequest, StepResponse
 
 logger = logging.getLogger("saguaro_vllm.drafter")
-
-#: Share of the measured verification time the pre-draft plan may fill (the rest absorbs jitter; an
-#: overrun costs at most the forward in flight, the rest of a cut-short branch becomes a top-up).
-#: Measured: adapting it to keep ~20 % of rounds from overrunning lowered SSD's speed (21.8 vs 23.1
-#: tokens/s on the cost-matched demo pair), since shorter plans mean top-ups on the critical path.
-PLAN_SAFETY = 0.95
-#: Forward timings kept for the step-cost model.
-COST_SAMPLES = 64
-#: Smoothing of the measured verification time and of the drafter's lateness.
-VERIFY_EMA = 0.3
 
 # Row status codes of `StepResponse.row_status` (and NO_ROOM: no drafts, the KV cache had no room).
 HIT, JIT, NGRAM, NEW, NONE = "hit", "jit", "ngram", "new", "none"
@@ -90,7 +71,8 @@ class SSDStats:
     late_s: float = 0.0  # time this request waited for the pre-draft forward in flight
     skipped: bool = False  # the branch steps were skipped: their expected saving was below their lateness
     branches: int = 0  # branches cached for this step's lookups
-    backup: str = ""  # jit | ngram: what this step's misses got
+    backup: str = ""  # jit | ngram | jit+ngram: what this step's misses got
+    depth: int = 0  # drafts per row this step allowed (`depth: "auto"`; 0: fixed at K)
     alpha: float = 0.0  # acceptance estimate of neural drafts
     dropped: int = 0  # candidates of that pre-draft left out for lack of KV blocks
     topups: int = 0  # hits on branches cut short, completed on the critical path in this step
@@ -108,10 +90,6 @@ def _ranked(scores: torch.Tensor, drafts) -> list[list[int]]:
     return [[t for t in row if j >= len(drafts) or t != drafts[j]][:MAX_RANK] for j, row in enumerate(top)]
 
 
-def _smooth(old: float | None, new: float) -> float:
-    return new if old is None else (1 - VERIFY_EMA) * old + VERIFY_EMA * new
-
-
 class SSDDrafter(SyncDrafter):
     def __init__(self, runner: DraftModelRunner, vocab_size: int, options: dict, max_model_len: int | None = None):
         super().__init__(runner, vocab_size, keep_logits=True, max_model_len=max_model_len)
@@ -119,27 +97,15 @@ class SSDDrafter(SyncDrafter):
         self.cache = SpeculationCache(release=self._defer_release)
         self._garbage: list[str] = []  # branch sequences to free once the answer is out
         self._total_blocks = runner.num_free_blocks
-        self.predictor = OutcomePredictor()
-        self.ranks = RankEstimate()
+        self.planner = RoundPlanner(options)  # measurements and decisions (no model work)
+        self.predictor = self.planner.predictor
         self._sent: dict[str, _Sent] = {}
         self._work: Iterator[None] | None = None
         self._run: BranchRun | None = None  # the pre-draft's branch run (its step index picks Saguaro's F)
-        self._costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=COST_SAMPLES)
-        self._verify_s: float | None = None
-        #: what the answer waits for a pre-draft forward in flight, in rounds that ran branch steps
-        self._late_s: float | None = None
-        self._answered_at: float | None = None  # time.monotonic(), the clock of StepRequest.sent_at
         self._predraft = SSDStats()
         self._fanout: list[int] = []  # the neural allocation in use (Saguaro sampling's F per depth)
         self.scale_choice = ScaleChoice() if options.get("sampling_scale") == "auto" else None
         self._best_scale: dict[int, float] = {}  # per temperature bucket: the best C last logged
-        #: answer time of steps whose misses were drafted just in time, and of steps that all hit: their
-        #: difference is what a miss costs the online C choice
-        self._answer_s: dict[str, float | None] = {"miss": None, "hit": None}
-        #: committed tokens per second of the batch (verification + answer), the long-run rate that the
-        #: per-row backup choice weighs a row's gain against; and the last answer's seconds
-        self._rate: float | None = None
-        self._last_answer_s = 0.0
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def _release(self, seq_id: str) -> None:
@@ -184,7 +150,7 @@ class SSDDrafter(SyncDrafter):
 
     def answered(self) -> None:
         """The answer of the last `step` went out: the verification starts now."""
-        self._answered_at = time.monotonic()
+        self.planner.answered()
 
     def advance(self) -> None:
         """One forward of the pre-draft, or the deferred clean-up when no pre-draft is pending."""
@@ -207,7 +173,7 @@ class SSDDrafter(SyncDrafter):
     def _timed_forward(self, chunks, num_logits=1) -> torch.Tensor:
         t0 = time.perf_counter()
         logits = self.runner.forward(chunks, num_logits=num_logits)
-        self._costs.append((sum(len(c[1]) for c in chunks), time.perf_counter() - t0))
+        self.planner.record_forward(sum(len(c[1]) for c in chunks), time.perf_counter() - t0)
         return logits[:, : self.vocab_size]
 
     # ---- the answer ---------------------------------------------------------------------------------
@@ -215,7 +181,10 @@ class SSDDrafter(SyncDrafter):
         t0 = time.perf_counter()
         stats = self._predraft
         stats.predraft_done = self._work is None
-        self._measure_round(req, stats)
+        stats.verify_s, stats.late_s = self.planner.measure_round(
+            req.sent_at, ran_branches=bool(stats.budget) and not stats.skipped)
+        stats.depth = self.planner.choose_depth(len(req.rows), max((r.num_drafts for r in req.rows), default=0),
+                                                stats.verify_s, stats.plan_steps) or 0
         if self.opts.get("finish_predraft"):
             while self._work is not None:
                 self.advance()
@@ -249,7 +218,7 @@ class SSDDrafter(SyncDrafter):
                         self.predictor.ngram_matched.observe(outcome.accepted + 1)
                     if sent.ranked is not None and not sent.fast:
                         ranked = sent.ranked[outcome.accepted]
-                        self.ranks.observe(ranked.index(outcome.bonus) if outcome.bonus in ranked else MAX_RANK)
+                        self.planner.ranks.observe(ranked.index(outcome.bonus) if outcome.bonus in ranked else MAX_RANK)
                     if self.scale_choice is not None and sent.scale is not None and had_branches:
                         self.scale_choice.observe(st.sampling.temperature, sent.scale, outcome.accepted + 1,
                                                   missed=branch is None)
@@ -290,7 +259,9 @@ class SSDDrafter(SyncDrafter):
                 continue
             misses.append(i)
 
-        self._measure_rate(req, status, stats)
+        if stats.verify_s > 0 and NEW not in status and req.rows:
+            self.planner.measure_rate(sum(len(r.new_tokens) for r, x in zip(req.rows, status) if x in (HIT, JIT)),
+                                      stats.verify_s)
         ngram = {i: ngram_drafts(self.reqs[req.rows[i].req_id].context, want[i]) for i in misses}
         now = set(self._choose_draft_now(req, status, drafts, misses, topups, ngram, want))
         jit_rows = [i for i in misses if i in now]
@@ -332,8 +303,9 @@ class SSDDrafter(SyncDrafter):
         if roots:
             self._work = self._predraft_rounds(roots)
         stats.alpha = self.predictor.neural.alpha
-        self._last_answer_s = time.perf_counter() - t0
-        self._time_answer(self._last_answer_s, jit_misses=bool(jit_rows), all_hit=not jit_rows and HIT in status)
+        looked_up = [x for x in status if x in (HIT, JIT, NGRAM)]
+        self.planner.end_step(time.perf_counter() - t0, sum(1 + len(d) for d in drafts), looked_up.count(HIT),
+                              len(looked_up), jit=bool(jit_rows), all_hit=not jit_rows and HIT in status)
         resp = StepResponse(req.step, drafts, {}, time.perf_counter() - t0, resync,
                             live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
                             row_status=status, row_depth=depth, ssd=dataclasses.asdict(stats),
@@ -341,26 +313,10 @@ class SSDDrafter(SyncDrafter):
         self._predraft = SSDStats()
         return resp
 
-    def _measure_round(self, req: StepRequest, stats: SSDStats) -> None:
-        """Verification time (previous answer -> this request's send) and lateness (send -> now). Timing
-        the verification from now instead would count the lateness in and grow the next plan by it."""
-        now = time.monotonic()
-        sent = req.sent_at if 0.0 < req.sent_at <= now else now
-        if self._answered_at is not None:
-            stats.verify_s = max(0.0, sent - self._answered_at)
-            stats.late_s = now - sent
-            self._verify_s = _smooth(self._verify_s, stats.verify_s)
-            if stats.budget and not stats.skipped:  # only rounds that ran branch steps tell their lateness
-                self._late_s = _smooth(self._late_s, stats.late_s)
-        self._answered_at = None
-
-    def _measure_rate(self, req: StepRequest, status: list[str], stats: SSDStats) -> None:
-        """Committed tokens per second over the last verification and answer, from steps whose rows all
-        finished a round (a step with new requests may follow an idle engine: its gap is no verification)."""
-        if stats.verify_s <= 0 or NEW in status or not req.rows:
-            return
-        tokens = sum(len(row.new_tokens) for row, st in zip(req.rows, status) if st in (HIT, JIT))
-        self._rate = _smooth(self._rate, tokens / (stats.verify_s + self._last_answer_s))
+    def _draft_limit(self, row, st) -> int:
+        """K (fewer near the limits, see SyncDrafter), or this step's depth with `depth: "auto"`."""
+        limit = super()._draft_limit(row, st)
+        return min(limit, self.planner.depth) if self.planner.depth is not None else limit
 
     def _choose_draft_now(self, req: StepRequest, status, drafts, misses, topups, ngram, want) -> list[int]:
         """The rows drafted on the critical path this step (`backup.choose_draft_now`): each miss gains
@@ -387,9 +343,7 @@ class SSDDrafter(SyncDrafter):
             have = len(drafts[i])
             candidates.append(DraftNow(i, 1, more, expected_tokens(alpha, have + more)
                                        - expected_tokens(alpha, have), topup=True))
-        cost = self._cost_model()
-        return choose_draft_now(candidates, base, self._verify_s, cost and cost.fixed_s, cost and cost.per_row_s,
-                                self.opts.get("backup", "auto"), rate=self._rate)
+        return self.planner.draft_now(candidates, base)
 
     def _draft_now(self, req: StepRequest, drafts, probs, topups, jit_rows, want) -> None:
         """Draft on the critical path: `want[row]` (K) tokens for jit misses, the missing tail of hits cut
@@ -483,9 +437,8 @@ class SSDDrafter(SyncDrafter):
 
     def _next_scale(self, st: _ReqState) -> float:
         """The online choice's C for the request's next round (logs a change of the best C once)."""
-        verify_s = self._verify_s or 1.0
-        miss, hit = self._answer_s["miss"], self._answer_s["hit"]
-        miss_s = max(0.0, miss - hit) if miss is not None and hit is not None else 0.0
+        verify_s = self.planner.verify_s or 1.0
+        miss_s = self.planner.miss_cost_s()
         temperature = st.sampling.temperature
         if self.scale_choice.explored(temperature):
             best = self.scale_choice.best(temperature, verify_s, miss_s)
@@ -499,47 +452,7 @@ class SSDDrafter(SyncDrafter):
                             1e3 * verify_s, 1e3 * miss_s)
         return self.scale_choice.choose(temperature, verify_s, miss_s)
 
-    def _time_answer(self, seconds: float, jit_misses: bool, all_hit: bool) -> None:
-        if jit_misses:
-            self._answer_s["miss"] = _smooth(self._answer_s["miss"], seconds)
-        elif all_hit:
-            self._answer_s["hit"] = _smooth(self._answer_s["hit"], seconds)
-
     # ---- pre-drafting ---------------------------------------------------------------------------------
-    def _cost_model(self) -> StepCostModel | None:
-        return StepCostModel.fit(list(self._costs)) if len(self._costs) >= 3 else None
-
-    def _plan(self, batch: int, k: int) -> PreDraftPlan:
-        fixed = self.opts.get("fanout") or None
-        if fixed:
-            return PreDraftPlan(sum(fixed), k)
-        if self.opts.get("fanout_budget"):
-            return PreDraftPlan(int(self.opts["fanout_budget"]), k)
-        cost = self._cost_model()
-        if cost is None or self._verify_s is None:
-            return PreDraftPlan(k + 1, k)  # one branch per depth until timings are known
-        plan = plan_predraft(PLAN_SAFETY * self._verify_s, cost, batch, k, self.predictor.neural.alpha,
-                             max_branches=int(self.opts.get("max_fanout_budget", 32)), ranks=self.ranks)
-        if plan.branches == 0:  # not even one branch per depth fits one step: the most likely outcomes only
-            return PreDraftPlan(max(1, min(2, k + 1)), 1)
-        return plan
-
-    def _branches_pay_off(self, plan: PreDraftPlan, batch: int, k: int) -> bool:
-        """`predictor.branches_pay_off` for a modelled plan, once lateness and step costs are measured."""
-        cost = self._cost_model()
-        if plan.hit_rate is None or self._late_s is None or cost is None or self._verify_s is None:
-            return True
-        return branches_pay_off(plan.hit_rate, batch, k, self._verify_s, self._late_s, cost,
-                                self.predictor.neural.alpha, self.predictor.ngram_tokens.mean,
-                                self.opts.get("backup", "auto"))
-
-    def _fanout_for(self, sent: _Sent, budget: int) -> list[int]:
-        k = len(sent.drafts)
-        fixed = (self.opts.get("miss_fanout") if sent.fast else None) or self.opts.get("fanout")
-        if fixed:  # a round with fewer than K drafts (n-gram) keeps the list's depths 0..k-1 and its last
-            return list(fixed[:k]) + [fixed[-1]] if len(fixed) != k + 1 else list(fixed)
-        return self.predictor.fanout(budget, k, fast_backup=sent.fast)
-
     def _predraft_rounds(self, req_ids: list[str]) -> Iterator[None]:
         """Generator: glue, then the branch steps, one forward per `next`; closing it caches the branches."""
         t0 = time.perf_counter()
@@ -556,14 +469,15 @@ class SSDDrafter(SyncDrafter):
             for root, sc in zip(roots, scores, strict=True):
                 self._sent[root.req_id].ranked = _ranked(sc, root.drafts)
             k = max(r.k for r in roots)
-            plan = self._plan(len(roots), k)
+            plan = self.planner.plan(len(roots), k)
             stats.budget, stats.plan_steps = plan.branches, plan.steps
-            if not self._branches_pay_off(plan, len(roots), k):
+            if not self.planner.branches_pay_off(plan, len(roots), k):
                 stats.skipped = True
                 return
             candidates = []
             for root, sc in zip(roots, scores, strict=True):
-                fan = self._fanout_for(self._sent[root.req_id], plan.branches)
+                sent = self._sent[root.req_id]
+                fan = self.planner.fanout_for(len(sent.drafts), sent.fast, plan.branches)
                 if not self._sent[root.req_id].fast:
                     self._fanout = fan
                 candidates.append(select_candidates(sc, root.drafts, fan))
@@ -576,7 +490,7 @@ class SSDDrafter(SyncDrafter):
                 s0 = time.perf_counter()
                 rows = run.live_rows
                 run.step()
-                self._costs.append((rows, time.perf_counter() - s0))
+                self.planner.record_forward(rows, time.perf_counter() - s0)
                 yield
         finally:
             if run is not None:

@@ -1,0 +1,181 @@
+"""What the SSD drafter measures about its rounds and what it decides from it: pure policy, no model.
+
+`RoundPlanner` holds the online measurements (verification time and the drafter's lateness on the shared
+monotonic clock, draft forward costs, answer times, the batch's committed tokens per second, the cache hit
+rate, acceptance and candidate ranks through `OutcomePredictor` / `RankEstimate`) and answers the
+drafter's questions each round:
+- how many branches and steps to pre-draft (`plan`), and whether the branch steps pay at all
+  (`branches_pay_off`);
+- the fan-out per depth of a round (`fanout_for`);
+- which misses and cut-short hits to draft on the critical path (`draft_now`, per row);
+- how many drafts each row gets (`choose_depth`, with `depth: "auto"`).
+`SSDDrafter` feeds it what happened and does the model work; the rules themselves live in `backup.py`,
+`predictor.py` and `depth_choice.py`. docs/algorithm.md explains each.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Sequence
+
+from saguaro_vllm.drafter.backup import DraftNow, choose_draft_now
+from saguaro_vllm.drafter.depth_choice import DepthChoice
+from saguaro_vllm.drafter.predictor import (
+    OutcomePredictor,
+    PreDraftPlan,
+    RankEstimate,
+    StepCostModel,
+    branches_pay_off,
+    plan_predraft,
+)
+
+logger = logging.getLogger("saguaro_vllm.drafter")
+
+#: Share of the measured verification time the pre-draft plan may fill (the rest absorbs jitter; an
+#: overrun costs at most the forward in flight, the rest of a cut-short branch becomes a top-up).
+#: Measured: adapting it to keep ~20 % of rounds from overrunning lowered SSD's speed (21.8 vs 23.1
+#: tokens/s on the cost-matched demo pair), since shorter plans mean top-ups on the critical path.
+PLAN_SAFETY = 0.95
+#: Forward timings kept for the step-cost model.
+COST_SAMPLES = 64
+#: Smoothing of the measured verification time, lateness, answer times, rate and hit rate.
+VERIFY_EMA = 0.3
+
+
+def smooth(old: float | None, new: float) -> float:
+    """Exponential moving average with weight VERIFY_EMA on the new value (the first value as is)."""
+    return new if old is None else (1 - VERIFY_EMA) * old + VERIFY_EMA * new
+
+
+class RoundPlanner:
+    def __init__(self, options: dict):
+        self.opts = options
+        self.predictor = OutcomePredictor()
+        self.ranks = RankEstimate()
+        self.costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=COST_SAMPLES)
+        self.verify_s: float | None = None
+        #: what the answer waits for a pre-draft forward in flight, in rounds that ran branch steps
+        self.late_s: float | None = None
+        self.answered_at: float | None = None  # time.monotonic(), the clock of StepRequest.sent_at
+        #: answer time of steps whose misses were drafted just in time, and of steps that all hit: their
+        #: difference is what a miss costs the online C choice
+        self.answer_s: dict[str, float | None] = {"miss": None, "hit": None}
+        #: committed tokens per second of the batch (verification + answer): the long-run rate the per-row
+        #: backup choice weighs a row's gain against
+        self.rate: float | None = None
+        self.last_answer_s = 0.0
+        self.hit_rate: float | None = None  # smoothed share of looked-up rows that hit
+        self.sent_tokens = 0  # tokens the last answer sent for verification (rows + drafts)
+        #: `depth: "auto"`: the online depth choice (made on the first step, when K is known) and this
+        #: step's depth (None: K)
+        self.depth_choice: DepthChoice | None = None
+        self.depth: int | None = None
+
+    # ---- measurements -------------------------------------------------------------------------------
+    def answered(self) -> None:
+        """The answer went out: the verification starts now."""
+        self.answered_at = time.monotonic()
+
+    def measure_round(self, sent_at: float, ran_branches: bool) -> tuple[float, float]:
+        """Verification time (previous answer -> this request's send) and lateness (send -> now), both 0
+        before the first answer. Timing the verification from now instead would count the lateness in and
+        grow the next plan by it; only rounds that ran branch steps tell their lateness."""
+        now = time.monotonic()
+        sent = sent_at if 0.0 < sent_at <= now else now
+        verify_s = late_s = 0.0
+        if self.answered_at is not None:
+            verify_s, late_s = max(0.0, sent - self.answered_at), now - sent
+            self.verify_s = smooth(self.verify_s, verify_s)
+            if ran_branches:
+                self.late_s = smooth(self.late_s, late_s)
+        self.answered_at = None
+        return verify_s, late_s
+
+    def record_forward(self, rows: int, seconds: float) -> None:
+        self.costs.append((rows, seconds))
+
+    def cost_model(self) -> StepCostModel | None:
+        return StepCostModel.fit(list(self.costs)) if len(self.costs) >= 3 else None
+
+    def measure_rate(self, tokens: int, verify_s: float) -> None:
+        """Tokens committed over the last verification plus answer (call only for steps whose rows all
+        finished a round: a step with new requests may follow an idle engine, whose gap is no verification)."""
+        if verify_s > 0:
+            self.rate = smooth(self.rate, tokens / (verify_s + self.last_answer_s))
+
+    def end_step(self, answer_s: float, sent_tokens: int, hits: int, looked_up: int, jit: bool,
+                 all_hit: bool) -> None:
+        """What the answer just built took and sent: answer time (per kind), tokens to verify, hit rate."""
+        self.last_answer_s = answer_s
+        self.sent_tokens = sent_tokens
+        if looked_up:
+            self.hit_rate = smooth(self.hit_rate, hits / looked_up)
+        if jit:
+            self.answer_s["miss"] = smooth(self.answer_s["miss"], answer_s)
+        elif all_hit:
+            self.answer_s["hit"] = smooth(self.answer_s["hit"], answer_s)
+
+    def miss_cost_s(self) -> float:
+        """What a just-in-time miss adds to an answer (0 until both kinds of answer are measured)."""
+        miss, hit = self.answer_s["miss"], self.answer_s["hit"]
+        return max(0.0, miss - hit) if miss is not None and hit is not None else 0.0
+
+    # ---- decisions ----------------------------------------------------------------------------------
+    def plan(self, batch: int, k: int) -> PreDraftPlan:
+        """Branches per request and steps per branch of the next pre-draft."""
+        fixed = self.opts.get("fanout") or None
+        if fixed:
+            return PreDraftPlan(sum(fixed), k)
+        if self.opts.get("fanout_budget"):
+            return PreDraftPlan(int(self.opts["fanout_budget"]), k)
+        cost = self.cost_model()
+        if cost is None or self.verify_s is None:
+            return PreDraftPlan(k + 1, k)  # one branch per depth until timings are known
+        plan = plan_predraft(PLAN_SAFETY * self.verify_s, cost, batch, k, self.predictor.neural.alpha,
+                             max_branches=int(self.opts.get("max_fanout_budget", 32)), ranks=self.ranks)
+        if plan.branches == 0:  # not even one branch per depth fits one step: the most likely outcomes only
+            return PreDraftPlan(max(1, min(2, k + 1)), 1)
+        return plan
+
+    def branches_pay_off(self, plan: PreDraftPlan, batch: int, k: int) -> bool:
+        """`predictor.branches_pay_off` for a modelled plan, once lateness and step costs are measured."""
+        cost = self.cost_model()
+        if plan.hit_rate is None or self.late_s is None or cost is None or self.verify_s is None:
+            return True
+        return branches_pay_off(plan.hit_rate, batch, k, self.verify_s, self.late_s, cost,
+                                self.predictor.neural.alpha, self.predictor.ngram_tokens.mean,
+                                self.opts.get("backup", "auto"))
+
+    def fanout_for(self, k: int, fast: bool, budget: int) -> list[int]:
+        """Fan-out per depth 0..k of a round with k drafts (`fast`: they came from the n-gram backup)."""
+        fixed = (self.opts.get("miss_fanout") if fast else None) or self.opts.get("fanout")
+        if fixed:  # a round with fewer than K drafts (n-gram) keeps the list's depths 0..k-1 and its last
+            return list(fixed[:k]) + [fixed[-1]] if len(fixed) != k + 1 else list(fixed)
+        return self.predictor.fanout(budget, k, fast_backup=fast)
+
+    def draft_now(self, candidates: Sequence[DraftNow], base_tokens: float) -> list[int]:
+        """The rows to draft on the critical path (`backup.choose_draft_now` at the measured rate)."""
+        cost = self.cost_model()
+        return choose_draft_now(candidates, base_tokens, self.verify_s, cost and cost.fixed_s,
+                                cost and cost.per_row_s, self.opts.get("backup", "auto"), rate=self.rate)
+
+    def choose_depth(self, batch: int, k_max: int, verify_s: float, predraft_steps: int) -> int | None:
+        """`depth: "auto"`: record the last verification and choose this step's depth (None: fixed K); one
+        log line when the chosen depth changes."""
+        if self.opts.get("depth", "fixed") != "auto" or batch == 0:
+            return None
+        if self.depth_choice is None:
+            self.depth_choice = DepthChoice(k_max)
+        if verify_s > 0 and self.sent_tokens:
+            self.depth_choice.observe(self.sent_tokens, verify_s)
+        before = self.depth_choice.depth
+        self.depth = self.depth_choice.choose(batch, self.predictor.neural.alpha, self.hit_rate or 0.0,
+                                              self.cost_model(), predraft_steps or self.depth or 0)
+        if self.depth_choice.depth != before:
+            verify = self.depth_choice.verify_cost()
+            logger.info("Saguaro depth: %d drafts per row now (was %d; acceptance %.2f, cache hit rate %.2f, "
+                        "verification %.1f ms + %.2f ms per token)", self.depth_choice.depth, before,
+                        self.predictor.neural.alpha, self.hit_rate or 0.0, 1e3 * verify.fixed_s,
+                        1e3 * verify.per_row_s)
+        return self.depth

@@ -1,0 +1,97 @@
+"""The SSD round planner without a model: what it measures (verification, lateness, rate, answer times, hit
+rate) and what it decides from it (plan, whether branches pay, fan-out lists, per-row drafting, depth)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from saguaro_vllm.drafter.backup import DraftNow
+from saguaro_vllm.drafter.predictor import PreDraftPlan
+from saguaro_vllm.drafter.round_planner import PLAN_SAFETY, RoundPlanner, smooth
+
+
+def _measured(planner: RoundPlanner, verify_s: float = 0.2, late_s: float = 0.01) -> None:
+    """One round as the drafter sees it: answered, a verification of `verify_s`, a request taken late."""
+    planner.answered_at = time.monotonic() - verify_s - late_s
+    planner.measure_round(time.monotonic() - late_s, ran_branches=True)
+
+
+def test_verification_and_lateness_are_measured_on_the_shared_clock():
+    planner = RoundPlanner({})
+    assert planner.measure_round(time.monotonic(), ran_branches=True) == (0.0, 0.0)  # nothing answered yet
+    planner.answered_at = time.monotonic() - 0.30
+    verify_s, late_s = planner.measure_round(time.monotonic() - 0.05, ran_branches=True)
+    assert verify_s == pytest.approx(0.25, abs=0.02) and late_s == pytest.approx(0.05, abs=0.02)
+    assert planner.answered_at is None and planner.late_s == pytest.approx(late_s)
+    planner.answered_at = time.monotonic() - 0.1
+    planner.measure_round(time.monotonic(), ran_branches=False)  # a skipped round tells no lateness
+    assert planner.late_s == pytest.approx(late_s)
+    assert planner.verify_s == pytest.approx(smooth(verify_s, 0.1), abs=0.02)
+    # A send time from the future (another clock) is not trusted: the request's arrival counts instead.
+    planner.answered_at = time.monotonic() - 0.1
+    _, late = planner.measure_round(time.monotonic() + 100.0, ran_branches=True)
+    assert late == pytest.approx(0.0, abs=0.01)
+
+
+def test_rate_answer_times_and_hit_rate():
+    planner = RoundPlanner({})
+    planner.end_step(0.02, sent_tokens=12, hits=1, looked_up=2, jit=True, all_hit=False)
+    planner.end_step(0.005, sent_tokens=12, hits=2, looked_up=2, jit=False, all_hit=True)
+    assert planner.miss_cost_s() == pytest.approx(0.015)
+    assert planner.hit_rate == pytest.approx(smooth(0.5, 1.0)) and planner.sent_tokens == 12
+    planner.measure_rate(10, verify_s=0.195)
+    assert planner.rate == pytest.approx(10 / 0.2)
+    planner.measure_rate(10, verify_s=0.0)  # no verification measured: no rate
+    assert planner.rate == pytest.approx(50.0)
+
+
+def test_plan_before_and_after_timings():
+    planner = RoundPlanner({})
+    assert planner.plan(1, 5) == PreDraftPlan(6, 5)  # one branch per depth until timings are known
+    assert planner.branches_pay_off(PreDraftPlan(6, 5, hit_rate=0.1), 1, 5)  # nothing measured: run them
+    for rows, seconds in ((1, 0.011), (2, 0.012), (8, 0.018)):
+        planner.record_forward(rows, seconds)
+    _measured(planner, verify_s=0.2)
+    plan = planner.plan(1, 5)
+    cost = planner.cost_model()
+    # The plan fits in PLAN_SAFETY x verification: glue plus its steps over its branches.
+    assert cost.step_s(1) + plan.steps * cost.step_s(plan.branches) <= PLAN_SAFETY * planner.verify_s + 1e-9
+    assert plan.branches > 6 and plan.hit_rate is not None
+    # A verification too short for even one branch per depth: the most likely outcomes, one step.
+    planner.verify_s = 0.001
+    assert planner.plan(1, 5) == PreDraftPlan(2, 1)
+    assert RoundPlanner({"fanout": [2, 1, 1]}).plan(4, 2) == PreDraftPlan(4, 2)
+    assert RoundPlanner({"fanout_budget": 9}).plan(4, 5) == PreDraftPlan(9, 5)
+
+
+def test_fixed_fanout_applies_to_ngram_rounds_and_short_drafts():
+    planner = RoundPlanner({"fanout": [2, 1, 1, 1, 3]})
+    assert planner.fanout_for(4, fast=True, budget=99) == [2, 1, 1, 1, 3]
+    assert planner.fanout_for(2, fast=True, budget=99) == [2, 1, 3]  # depths 0..k-1, then the last
+    own = RoundPlanner({"fanout": [2, 1, 1, 1, 3], "miss_fanout": [4, 0, 0, 0, 1]})
+    assert own.fanout_for(4, fast=True, budget=99) == [4, 0, 0, 0, 1]
+    assert own.fanout_for(4, fast=False, budget=99) == [2, 1, 1, 1, 3]
+    assert sum(RoundPlanner({}).fanout_for(4, fast=False, budget=7)) == 7
+
+
+def test_draft_now_uses_the_measured_costs_and_rate():
+    planner = RoundPlanner({})
+    miss = [DraftNow(0, 1, 5, 2.5)]
+    assert planner.draft_now(miss, 30.0) == [0]  # nothing measured: every candidate, as sync would
+    for rows, seconds in ((1, 0.011), (2, 0.012), (8, 0.018)):
+        planner.record_forward(rows, seconds)
+    _measured(planner, verify_s=0.1)
+    planner.rate = 300.0  # 2.5 tokens for ~55 ms at 300 tokens/s: not worth it
+    assert planner.draft_now(miss, 30.0) == []
+    planner.rate = 10.0
+    assert planner.draft_now(miss, 30.0) == [0]
+    assert RoundPlanner({"backup": "ngram"}).draft_now(miss + [DraftNow(1, 1, 2, 1.0, topup=True)], 5.0) == [1]
+
+
+def test_depth_only_with_depth_auto():
+    assert RoundPlanner({}).choose_depth(4, 8, 0.1, 5) is None
+    planner = RoundPlanner({"depth": "auto"})
+    assert planner.choose_depth(0, 8, 0.1, 5) is None  # an empty step
+    assert planner.choose_depth(1, 8, 0.0, 5) == 8  # starts at the maximum
+    assert planner.depth_choice.k_max == 8
