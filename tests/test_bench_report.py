@@ -190,3 +190,26 @@ def test_per_token_acceptance_from_vllm_position_counters():
     assert run.per_token_acceptance(100, [50, 25, 12.5]) == 0.5
     assert run.per_token_acceptance(10, [10, 10, 10]) == 1.0
     assert run.per_token_acceptance(0, []) is None
+
+
+def test_ceiling_and_verify_curve_sections():
+    machine = {"cpu": "x", "cpus": 2}
+    ceiling = {"_file": "c.json", "date": "2026-12-04T18:00:00", "machine": machine, "k": 5, "max_depth": 8,
+               "num_prompts": 2, "max_tokens": 64, "rounds": 2, "placement": "p", "command": "c",
+               "summary": {"oracle-k5": {"tok_s_per_seq": 20.0, "per_seq_tok_s": [20.0] * 4,
+                                         "mean_acceptance_length": 6.0},
+                           "saguaro-async-k5": {"tok_s_per_seq": 15.0, "per_seq_tok_s": [14.0, 16.0, 15.0, 15.0],
+                                                "mean_acceptance_length": 4.5, "hit_rate": 1.0, "verify_ms": 180.0},
+                           "saguaro-async-depth-auto-k8": {"tok_s_per_seq": 18.0,
+                                                           "per_seq_tok_s": [17.0, 19.0, 18.0, 18.0],
+                                                           "mean_acceptance_length": 5.5, "hit_rate": 0.9,
+                                                           "verify_ms": 200.0}}}
+    text = "\n".join(report.ceiling_section(ceiling))
+    assert "depth auto / fixed K=5: 1.20x" in text and "bar >= 1.15x: met" in text
+    assert "depth auto / the K=5 ceiling: 0.90x; bar > 1: missed" in text
+    curve = {"_file": "v.json", "date": "2026-12-04T18:00:00", "machine": machine, "max_tokens": 64,
+             "placement": "p", "command": "c",
+             "points": [{"batch": 1, "depth": 0, "verify_ms": 150.0}, {"batch": 1, "depth": 5, "verify_ms": 180.0,
+                                                                      "mean_acceptance_length": 4.0, "hit_rate": 1.0}]}
+    text = "\n".join(report.verify_curve_section(curve))
+    assert "| 1 | 5 | 180.0 | 1.20x | 4.00 | 1.000 |" in text and "| 1 | 0 | 150.0 | 1.00x |" in text
