@@ -25,7 +25,7 @@ def _learn(choice: DepthChoice, verify: StepCostModel, batch: int, alpha: float,
     """Run `steps` rounds: each verifies batch x (1 + the depth chosen) tokens at the cost `verify`."""
     depths = []
     for _ in range(steps):
-        d = choice.choose(batch, alpha, hit_rate, DRAFT, predraft_steps)
+        d = choice.choose(batch, alpha, DRAFT, {e: (hit_rate, predraft_steps) for e in range(1, choice.k_max + 1)})
         depths.append(d)
         choice.observe(batch * (1 + d), verify.step_s(batch * (1 + d)))
     return depths
@@ -41,7 +41,7 @@ def test_flat_verification_and_high_acceptance_go_to_the_maximum():
 def test_costly_verified_tokens_and_low_acceptance_stay_shallow():
     choice = DepthChoice(8)
     _learn(choice, StepCostModel(0.1, 0.03), batch=1, alpha=0.5, hit_rate=1.0)
-    best = max(range(1, 9), key=lambda d: depth_rate(d, 1, 0.5, 1.0, StepCostModel(0.1, 0.03), DRAFT, 8))
+    best = max(range(1, 9), key=lambda d: depth_rate(d, 1, 0.5, 1.0, 8, StepCostModel(0.1, 0.03), DRAFT))
     assert choice.depth == best < 5
 
 
@@ -50,26 +50,26 @@ def test_the_choice_is_the_best_estimated_depth(predraft_steps):
     verify = StepCostModel(0.08, 0.004)
     choice = DepthChoice(8, start=1)
     _learn(choice, verify, batch=4, alpha=0.8, hit_rate=0.7, predraft_steps=predraft_steps)
-    rates = {d: depth_rate(d, 4, 0.8, 0.7, verify, DRAFT, predraft_steps) for d in range(1, 9)}
+    rates = {d: depth_rate(d, 4, 0.8, 0.7, predraft_steps, verify, DRAFT) for d in range(1, 9)}
     assert rates[choice.depth] >= max(rates.values()) / depth_module.HYSTERESIS
     # Hits that must be topped up on the critical path (a pre-draft 2 steps deep) make depth cost more.
     if predraft_steps == 2:
         deep = max(rates, key=rates.get)
-        assert deep < max(range(1, 9), key=lambda d: depth_rate(d, 4, 0.8, 0.7, verify, DRAFT, 8))
+        assert deep < max(range(1, 9), key=lambda d: depth_rate(d, 4, 0.8, 0.7, 8, verify, DRAFT))
 
 
 def test_depth_rate_is_tokens_over_verification_and_drafting():
     verify = StepCostModel(0.1, 0.01)
     # Batch 2, depth 3, hit rate 0.5, pre-draft 1 step deep: hits top up 2, misses draft 3 forwards.
     expect = expected_tokens(0.7, 3) / (verify.step_s(2 * 4) + (0.5 * 2 + 0.5 * 3) * DRAFT.step_s(2))
-    assert depth_rate(3, 2, 0.7, 0.5, verify, DRAFT, 1) == pytest.approx(expect)
+    assert depth_rate(3, 2, 0.7, 0.5, 1, verify, DRAFT) == pytest.approx(expect)
 
 
 def test_exploring_steps_only_until_three_token_counts_are_measured():
     choice = DepthChoice(6, start=4)
     for step in range(1, 6 * EXPLORE_EVERY + 1):
         was_explored = choice.explored()
-        d = choice.choose(1, 0.8, 1.0, DRAFT, 6)
+        d = choice.choose(1, 0.8, DRAFT, dict.fromkeys(range(1, 7), (1.0, 6)))
         if step % EXPLORE_EVERY == 0 and not was_explored:
             assert d != choice.depth  # one step at another depth; the choice itself is unchanged
         else:

@@ -90,8 +90,30 @@ def test_draft_now_uses_the_measured_costs_and_rate():
 
 
 def test_depth_only_with_depth_auto():
-    assert RoundPlanner({}).choose_depth(4, 8, 0.1, 5) is None
+    assert RoundPlanner({}).choose_depth(4, 8, 0.1) is None
     planner = RoundPlanner({"depth": "auto"})
-    assert planner.choose_depth(0, 8, 0.1, 5) is None  # an empty step
-    assert planner.choose_depth(1, 8, 0.0, 5) == 8  # starts at the maximum
+    assert planner.choose_depth(0, 8, 0.1) is None  # an empty step
+    assert planner.choose_depth(1, 8, 0.0) == 8  # starts at the maximum
     assert planner.depth_choice.k_max == 8
+
+
+def test_a_shallow_depth_does_not_trap_itself():
+    """The pre-draft of a round at depth 3 plans at most 3 steps; judged by that plan, deeper rows would
+    all need top-ups on the critical path and the depth would stay at 3. The planner judges depths by what
+    a pre-draft fits at the maximum depth, so it goes back to the depth the measured costs favour (here:
+    a 26 ms draft forward, verification 150 ms + 6 ms per token, acceptance 0.8, hit rate 0.9)."""
+    planner = RoundPlanner({"depth": "auto"})
+    for rows, seconds in ((1, 0.026), (2, 0.028), (8, 0.040)):
+        planner.record_forward(rows, seconds)
+    for _ in range(40):
+        planner.predictor.neural.observe(4, 5)
+    planner.hit_rate = 0.9
+    planner.choose_depth(1, 8, 0.0)
+    planner.depth_choice.depth = 3
+    for _ in range(40):
+        verify = 0.150 + 0.006 * (1 + planner.depth)
+        planner.sent_tokens = 1 + planner.depth
+        planner.answered_at = time.monotonic() - verify
+        planner.measure_round(time.monotonic(), ran_branches=True)
+        planner.choose_depth(1, 8, verify)
+    assert planner.depth_choice.depth >= 4, planner.depth_choice.depth

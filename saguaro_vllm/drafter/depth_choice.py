@@ -10,8 +10,8 @@ draft the branches that deep, critical-path forwards to top the hits up. Per ste
 
 is chosen from the measured acceptance `alpha`, the verification cost model `V` (a line through measured
 (tokens verified, seconds) pairs of recent steps) and `T_now(d)`: the draft forwards the missing tail
-costs, `(d - s) x step(B)` with s the branch steps the pre-draft fits, for the hit rows, and d forwards for
-the misses. The change needs a margin (`HYSTERESIS`) over the current depth's estimate, so the depth does
+costs, `(d - s_d) x step(B)` for the hit rows, and d forwards for the misses, where s_d and the hit rate
+h_d are those of the pre-draft a round at depth d would plan (the caller's `outlook`). The change needs a margin (`HYSTERESIS`) over the current depth's estimate, so the depth does
 not flap between two near-equal choices; and while the verification samples do not span enough token
 counts to fit a slope, every `EXPLORE_EVERY`-th step tries another depth (cycling 1..K_max), so the slope is
 measured rather than assumed flat.
@@ -33,16 +33,16 @@ MIN_DISTINCT = 3
 EXPLORE_EVERY = 8
 
 
-def depth_rate(d: int, batch: int, alpha: float, hit_rate: float, verify: StepCostModel, draft: StepCostModel,
-               predraft_steps: int) -> float:
+def depth_rate(d: int, batch: int, alpha: float, hit_rate: float, predraft_steps: int, verify: StepCostModel,
+               draft: StepCostModel) -> float:
     """Estimated tokens per second of one row at depth d (see the module doc). `verify` is a line in
     tokens verified, `draft` in rows per draft forward.
 
     >>> flat, draft = StepCostModel(0.1, 0.0), StepCostModel(0.01, 0.001)
-    >>> [round(depth_rate(d, 1, 0.9, 1.0, flat, draft, 8), 1) for d in (2, 5, 8)]  # all hits, flat: deeper
+    >>> [round(depth_rate(d, 1, 0.9, 1.0, 8, flat, draft), 1) for d in (2, 5, 8)]  # all hits, flat: deeper
     [27.1, 46.9, 61.3]
     >>> steep = StepCostModel(0.1, 0.03)  # each verified token adds 30 ms
-    >>> [round(depth_rate(d, 1, 0.6, 1.0, steep, draft, 8), 1) for d in (2, 5, 8)]
+    >>> [round(depth_rate(d, 1, 0.6, 1.0, 8, steep, draft), 1) for d in (2, 5, 8)]
     [10.3, 8.5, 6.7]
     """
     tokens = expected_tokens(alpha, d)
@@ -75,9 +75,10 @@ class DepthChoice:
     def explored(self) -> bool:
         return len({x for x, _ in self._samples}) >= MIN_DISTINCT
 
-    def choose(self, batch: int, alpha: float, hit_rate: float, draft: StepCostModel | None,
-               predraft_steps: int) -> int:
-        """This step's depth: `self.depth`, the current choice, or on an exploring step another one."""
+    def choose(self, batch: int, alpha: float, draft: StepCostModel | None,
+               outlook: dict[int, tuple[float, int]]) -> int:
+        """This step's depth: `self.depth`, the current choice, or on an exploring step another one.
+        `outlook[d]`: (hit rate, branch steps) of the pre-draft a round at depth d would plan."""
         self._steps += 1
         verify = self.verify_cost()
         if not self.explored() and self._steps % EXPLORE_EVERY == 0 and self.k_max > 1:
@@ -87,8 +88,7 @@ class DepthChoice:
             return self._explore
         if verify is None or draft is None:
             return self.depth
-        rate = {d: depth_rate(d, batch, alpha, hit_rate, verify, draft, predraft_steps)
-                for d in range(1, self.k_max + 1)}
+        rate = {d: depth_rate(d, batch, alpha, *outlook[d], verify, draft) for d in range(1, self.k_max + 1)}
         best = max(rate, key=rate.get)
         if rate[best] > HYSTERESIS * rate[self.depth]:
             self.depth = best

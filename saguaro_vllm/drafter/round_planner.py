@@ -160,9 +160,19 @@ class RoundPlanner:
         return choose_draft_now(candidates, base_tokens, self.verify_s, cost and cost.fixed_s,
                                 cost and cost.per_row_s, self.opts.get("backup", "auto"), rate=self.rate)
 
-    def choose_depth(self, batch: int, k_max: int, verify_s: float, predraft_steps: int) -> int | None:
+    def depth_outlook(self, batch: int, k_max: int) -> dict[int, tuple[float, int]]:
+        """Per depth d: the hit rate and the branch steps of the pre-draft a round at depth d would plan.
+        The hit rate is the measured one for every depth: the plan's modelled rates (prior-based ranks)
+        underrate deep plans badly where the cache hits nearly always (T=0: modelled 0.68 for a 5-deep plan,
+        measured 1.00), and a wrong ranking of depths costs more than a flat one."""
+        hit_rate = self.hit_rate or 0.0
+        return {d: (hit_rate, self.plan(batch, d).steps) for d in range(1, k_max + 1)}
+
+    def choose_depth(self, batch: int, k_max: int, verify_s: float) -> int | None:
         """`depth: "auto"`: record the last verification and choose this step's depth (None: fixed K); one
-        log line when the chosen depth changes."""
+        log line when the chosen depth changes. Each depth is judged by the pre-draft a round at that depth
+        would plan (`depth_outlook`), not by the last plan: that one was bounded by the depth then in use,
+        which would keep a shallow depth shallow (deeper hits would all look like top-ups)."""
         if self.opts.get("depth", "fixed") != "auto" or batch == 0:
             return None
         if self.depth_choice is None:
@@ -170,8 +180,8 @@ class RoundPlanner:
         if verify_s > 0 and self.sent_tokens:
             self.depth_choice.observe(self.sent_tokens, verify_s)
         before = self.depth_choice.depth
-        self.depth = self.depth_choice.choose(batch, self.predictor.neural.alpha, self.hit_rate or 0.0,
-                                              self.cost_model(), predraft_steps or self.depth or 0)
+        self.depth = self.depth_choice.choose(batch, self.predictor.neural.alpha, self.cost_model(),
+                                              self.depth_outlook(batch, k_max))
         if self.depth_choice.depth != before:
             verify = self.depth_choice.verify_cost()
             logger.info("Saguaro depth: %d drafts per row now (was %d; acceptance %.2f, cache hit rate %.2f, "

@@ -184,7 +184,7 @@ class SSDDrafter(SyncDrafter):
         stats.verify_s, stats.late_s = self.planner.measure_round(
             req.sent_at, ran_branches=bool(stats.budget) and not stats.skipped)
         stats.depth = self.planner.choose_depth(len(req.rows), max((r.num_drafts for r in req.rows), default=0),
-                                                stats.verify_s, stats.plan_steps) or 0
+                                                stats.verify_s) or 0
         if self.opts.get("finish_predraft"):
             while self._work is not None:
                 self.advance()
