@@ -16,10 +16,13 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not engine"
 
-# Every case of benchmarks/cases.json (about 2 hours on 2 cores), then docs/benchmarks.md and plots.
-BENCH_CASES ?= cost-matrix temperature cost-equal-cores raw-b1 sweep-scale sweep-scale-top-f1 finish-predraft
+# Every case of benchmarks/cases.json, the depth ceiling and the verification curve (about 3 hours on
+# 2 cores), then docs/benchmarks.md and plots.
+BENCH_CASES ?= cost-matrix temperature per-row-backup cost-equal-cores raw-b1 sweep-scale sweep-scale-top-f1 finish-predraft
 bench: setup
 	for c in $(BENCH_CASES); do $(PY) benchmarks/run.py --case $$c || exit 1; done
+	$(PY) benchmarks/ceiling.py
+	$(PY) benchmarks/verify_curve.py --depths 0,1,2,3,5,8
 	$(PY) benchmarks/report.py
 
 clean:

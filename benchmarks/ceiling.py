@@ -56,6 +56,18 @@ def record(req_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(seqs))
 
 
+def record_greedy(target: str, prompts: list[str], max_tokens: int) -> str:
+    """Record the target's greedy continuations (in a fresh process) for `oracle_proposer.py`; returns the
+    JSON file's path. `max_tokens` should exceed the measured runs' by the largest K, for the last drafts."""
+    tmp = Path(tempfile.mkdtemp(prefix="saguaro-oracle-"))
+    req, out = tmp / "record.json", tmp / "greedy.json"
+    req.write_text(json.dumps({"target": target, "prompts": prompts, "max_tokens": max_tokens}))
+    print("[oracle] recording the target's greedy continuations", flush=True)
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), "--record", str(req), str(out)], check=True,
+                   env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    return str(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.record:
@@ -67,16 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     target, draft = str(pair.target_cost), str(pair.draft_cost)
     prompts = pair.heldout_prompts(a.num_prompts)
     oracle_ks = [int(k) for k in a.oracle_k.split(",")]
-    tmp = Path(tempfile.mkdtemp(prefix="saguaro-ceiling-"))
-    tokens_path = tmp / "greedy.json"
-    req = tmp / "record.json"
-    # Enough tokens past the last verified position for the oracle's last drafts.
-    req.write_text(json.dumps({"target": target, "prompts": prompts,
-                               "max_tokens": a.max_tokens + max(oracle_ks + [a.max_depth]) + 2}))
-    print("[ceiling] recording the target's greedy continuations", flush=True)
-    subprocess.run([sys.executable, __file__, "--record", str(req), str(tokens_path)], check=True,
-                   env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    os.environ["SAGUARO_ORACLE_TOKENS"] = str(tokens_path)
+    os.environ["SAGUARO_ORACLE_TOKENS"] = record_greedy(target, prompts,
+                                                        a.max_tokens + max(oracle_ks + [a.max_depth]) + 2)
 
     engines = {f"oracle-k{k}": ({"method": "custom_class", "model": "oracle_proposer.OracleProposer",
                                  "num_speculative_tokens": k}, [0]) for k in oracle_ks}

@@ -422,18 +422,19 @@ def verify_curve_section(data: dict) -> list[str]:
     out = ["## Verification time against drafts per row", "",
            f"`benchmarks/verify_curve.py` ({data['_file']}, {data['date'][:16]} UTC): cost-matched demo pair, "
            f"T=0, {data['max_tokens']} tokens per request; {data['placement']}. Machine: {m['cpu']}, "
-           f"{m['cpus']} cores. d = 0 is vLLM AR's decode step (1 / tokens per second per sequence); d >= 1 "
-           "the verification Saguaro `async` measures with `num_speculative_tokens = d` (the drafter's answer "
-           "to the proposer's next request: the target's forward over batch x (1 + d) tokens plus vLLM's "
-           "sampling and scheduling). This is what `depth: \"auto\"` learns online.", "",
+           f"{m['cpus']} cores. The target verifies exactly d drafts per row from a free, perfect drafter "
+           "(the oracle: its own recorded greedy tokens, no drafter process), so one step takes (tokens per "
+           "step) / (tokens per second per sequence): the forward over batch x (1 + d) tokens plus vLLM's "
+           "sampling and scheduling; d = 0 is vLLM AR's decode step. This is the cost `depth: \"auto\"` "
+           "learns online.", "",
            f"- command: `{data['command']}`", "",
-           "| batch | drafts per row d | verification ms | vs d = 0 | accept len | hit rate |",
-           "|---:|---:|---:|---:|---:|---:|"]
+           "| batch | drafts per row d | verification ms | vs d = 0 | accept len |",
+           "|---:|---:|---:|---:|---:|"]
     base = {p["batch"]: p["verify_ms"] for p in data["points"] if p["depth"] == 0 and p["verify_ms"]}
     for p in sorted(data["points"], key=lambda p: (p["batch"], p["depth"])):
         ratio = f"{p['verify_ms'] / base[p['batch']]:.2f}x" if p["verify_ms"] and p["batch"] in base else "-"
         out.append(f"| {p['batch']} | {p['depth']} | {fmt(p['verify_ms'], '.1f')} | {ratio} "
-                   f"| {fmt(p.get('mean_acceptance_length'))} | {fmt(p.get('hit_rate'), '.3f')} |")
+                   f"| {fmt(p.get('mean_acceptance_length'))} |")
     return out + ["", "![verification ms against tokens verified per row](img/verify-curve.png)", ""]
 
 

@@ -1,27 +1,30 @@
 """Verification time against drafts per row: what deeper speculation costs the target (issue 14 item 2).
 
-For each batch size and each depth d, Saguaro `async` runs with `num_speculative_tokens = d` (target on
-core 0, drafter on core 1, T=0, the cost-matched demo pair) and reports the verification time its drafter
-measures (`vllm:saguaro_verify_seconds`: from the drafter's answer to the proposer's next request, i.e. the
-target's forward over batch x (1 + d) tokens plus vLLM's sampling and scheduling); vLLM AR pinned to core 0
-gives d = 0 (its decode step). Writes `benchmarks/results/<date>-verify-curve.json` and
-`docs/img/verify-curve.png`; `benchmarks/report.py` puts the table on docs/benchmarks.md.
+The target (cost-matched demo pair, pinned to core 0, T=0) verifies exactly d drafts per row, all
+accepted, from a free, perfect drafter (`oracle_proposer.py`: the target's own greedy tokens, recorded
+first; no drafter process, so nothing else runs while it verifies). Each engine step then yields d + 1
+tokens per row, so one verification takes (d + 1) / (tokens per second per sequence): the target's forward
+over batch x (1 + d) tokens plus vLLM's sampling and scheduling. d = 0 is vLLM AR's decode step. Writes
+`benchmarks/results/<date>-verify-curve.json` and `docs/img/verify-curve.png`; `benchmarks/report.py`
+puts the table on docs/benchmarks.md. This is the cost that `depth: "auto"` learns online.
 
     .venv/bin/python benchmarks/verify_curve.py                    # batch 1 and 4, d = 0..8
-    .venv/bin/python benchmarks/verify_curve.py --batch-sizes 1 --depths 1,5,8
+    .venv/bin/python benchmarks/verify_curve.py --batch-sizes 1 --depths 0,1,5,8
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import os
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import RESULTS, engine_specs, machine_info, run_one  # noqa: E402
+from ceiling import record_greedy  # noqa: E402
+from run import RESULTS, machine_info, run_one  # noqa: E402
 
 IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 
@@ -66,25 +69,26 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in a.batch_sizes.split(",")]
     depths = [int(d) for d in a.depths.split(",")]
     prompts = pair.heldout_prompts(a.num_prompts * max(batches))
+    os.environ["SAGUARO_ORACLE_TOKENS"] = record_greedy(target, prompts, a.max_tokens + max(depths) + 2)
     points = []
     for batch, depth in tqdm([(b, d) for b in batches for d in depths], desc="verify curve"):
         group = prompts[: a.num_prompts * batch]
-        if depth == 0:
-            res = run_one(target, None, group, batch, 0.0, a.max_tokens, [0], a.timeout)
-            ms = 1e3 / res["decode_tok_s_per_seq"]  # one decode step per token of each sequence
-        else:
-            spec = engine_specs(draft, [], depth, {}, [0], [1])["saguaro-async"]
-            res = run_one(target, spec, group, batch, 0.0, a.max_tokens, None, a.timeout)
-            ms = res.get("verify_ms")
+        spec = None if depth == 0 else {"method": "custom_class", "model": "oracle_proposer.OracleProposer",
+                                        "num_speculative_tokens": depth}
+        res = run_one(target, spec, group, batch, 0.0, a.max_tokens, [0], a.timeout)
+        # Tokens per step: d + 1 when every draft is accepted (a batched greedy run can differ from the
+        # recorded one in a rare near-tie, so the measured acceptance length is used).
+        ms = 1e3 * (res.get("mean_acceptance_length") or 1.0) / res["decode_tok_s_per_seq"]
         points.append({"batch": batch, "depth": depth, "verify_ms": ms,
                        "mean_acceptance_length": res.get("mean_acceptance_length"),
-                       "hit_rate": res.get("hit_rate"), "decode_tok_s_per_seq": res["decode_tok_s_per_seq"]})
-        tqdm.write(f"batch {batch} depth {depth}: verification {ms:.1f} ms" if ms else f"batch {batch} depth "
-                   f"{depth}: no verification measured")
+                       "decode_tok_s_per_seq": res["decode_tok_s_per_seq"]})
+        tqdm.write(f"batch {batch} depth {depth}: verification {ms:.1f} ms "
+                   f"({res['decode_tok_s_per_seq']:.2f} tokens/s per sequence, accept len {res.get('mean_acceptance_length') or 1:.2f})")
     date = datetime.datetime.now().isoformat(timespec="seconds")
     out = {"kind": "verify-curve", "date": date, "machine": machine_info(), "target": target, "draft": draft,
            "max_tokens": a.max_tokens, "num_prompts": a.num_prompts, "command": " ".join(sys.argv),
-           "placement": "target on core 0 (vLLM AR pinned whole), Saguaro drafter on core 1", "points": points}
+           "placement": "every engine pinned whole to core 0; the oracle drafter has no process",
+           "points": points}
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{datetime.date.today()}-verify-curve.json"
     path.write_text(json.dumps(out, indent=1))

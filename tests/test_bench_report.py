@@ -212,4 +212,23 @@ def test_ceiling_and_verify_curve_sections():
              "points": [{"batch": 1, "depth": 0, "verify_ms": 150.0}, {"batch": 1, "depth": 5, "verify_ms": 180.0,
                                                                       "mean_acceptance_length": 4.0, "hit_rate": 1.0}]}
     text = "\n".join(report.verify_curve_section(curve))
-    assert "| 1 | 5 | 180.0 | 1.20x | 4.00 | 1.000 |" in text and "| 1 | 0 | 150.0 | 1.00x |" in text
+    assert "| 1 | 5 | 180.0 | 1.20x | 4.00 |" in text and "| 1 | 0 | 150.0 | 1.00x |" in text
+
+
+def test_oracle_proposer_returns_the_recorded_continuation(tmp_path, monkeypatch):
+    import types
+
+    import numpy as np
+
+    path = tmp_path / "greedy.json"
+    path.write_text(json.dumps([[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 8, 7, 6, 5]]))
+    monkeypatch.setenv("SAGUARO_ORACLE_TOKENS", str(path))
+    oracle = _load("oracle_proposer").OracleProposer(
+        types.SimpleNamespace(speculative_config=types.SimpleNamespace(num_speculative_tokens=3)))
+    tokens = np.zeros((3, 10), dtype=np.int64)
+    tokens[0, :4] = [1, 2, 3, 4]
+    tokens[1, :3] = [9, 9, 8]
+    tokens[2, :3] = [5, 5, 5]  # not a recorded prefix
+    drafts = oracle.propose([[4], [8], [5]], np.array([4, 3, 3]), tokens)
+    assert drafts == [[5, 6, 7], [7, 6, 5], []]
+    assert oracle.propose([[]], np.array([4]), tokens[:1]) == [[]]  # a prefill chunk: nothing to draft
