@@ -117,3 +117,22 @@ def test_a_shallow_depth_does_not_trap_itself():
         planner.measure_round(time.monotonic(), ran_branches=True)
         planner.choose_depth(1, 8, verify)
     assert planner.depth_choice.depth >= 4, planner.depth_choice.depth
+
+
+def test_branch_steps_follow_the_measured_hit_rate_and_probe_again():
+    """The plan models a high hit rate, but rounds that ran branch steps measured 0.05: at batch 32 with
+    jit-only backups the steps do not pay, and skipping them stops; every PROBE_EVERY-th round in a row
+    runs them anyway (so a changed workload is measured again)."""
+    from saguaro_vllm.drafter.round_planner import PROBE_EVERY
+
+    planner = RoundPlanner({"backup": "jit"})
+    for rows, seconds in ((1, 0.011), (8, 0.018), (64, 0.075)):
+        planner.record_forward(rows, seconds)
+    _measured(planner, verify_s=0.3, late_s=0.04)
+    plan = PreDraftPlan(4, 5, hit_rate=0.95)
+    assert planner.branches_pay_off(plan, 32, 5)  # nothing measured with branches yet: the model decides
+    planner.end_step(0.05, 192, hits=2, looked_up=32, jit=True, all_hit=False, ran_branches=True)
+    planner.end_step(0.05, 192, hits=30, looked_up=32, jit=True, all_hit=False, ran_branches=False)
+    assert planner.branch_hit_rate == pytest.approx(2 / 32)  # steps without branches do not count
+    decisions = [planner.branches_pay_off(plan, 32, 5) for _ in range(2 * PROBE_EVERY)]
+    assert decisions.count(True) == 2 and decisions[PROBE_EVERY - 1] and decisions[-1]

@@ -94,7 +94,9 @@ def run_rounds(model, drafter, rng, rounds=10, advance=lambda rng: 100, contexts
 @pytest.mark.parametrize("advance", ["all", "random", "none"])
 def test_greedy_answers_equal_the_draft_continuation(draft_model, advance):
     rng = np.random.default_rng({"all": 0, "random": 1, "none": 2}[advance])
-    drafter = make_drafter(draft_model)
+    # A fixed budget: the branch steps always run (whether they pay is a timing question, tested below),
+    # so hits, misses and cut-short branches all occur.
+    drafter = make_drafter(draft_model, fanout_budget=6)
     steps = {"all": lambda r: 100, "random": lambda r: int(r.integers(0, 6)), "none": lambda r: 0}[advance]
     statuses, _ = run_rounds(draft_model, drafter, rng, advance=steps)
     if advance != "none":

@@ -1,0 +1,121 @@
+"""The SSD drafter's pre-drafting, off the critical path: after an answer is out, the glue forward (KV of
+the drafts just sent and the bonus distribution of every depth), candidate selection, then the branch
+steps, one forward per `next` of a generator so that the server loop can look for the next request
+between forwards; closing the generator caches what was drafted (a hit on a cut-short branch is topped up
+on the critical path). A mixin of `SSDDrafter`: it uses the drafter's runner, request states, sent rounds,
+speculation cache and `RoundPlanner`, and decides nothing itself (the planner does).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from saguaro_vllm.drafter.branches import BranchRoot, BranchRun
+from saguaro_vllm.drafter.predictor import MAX_RANK, select_candidates
+
+
+def _ranked(scores: torch.Tensor, drafts) -> list[list[int]]:
+    """Per depth j, the MAX_RANK best tokens of its bonus distribution, x_{j+1} excluded for j < K."""
+    top = torch.topk(scores.float(), min(MAX_RANK + 1, scores.shape[-1]), dim=-1).indices.tolist()
+    return [[t for t in row if j >= len(drafts) or t != drafts[j]][:MAX_RANK] for j, row in enumerate(top)]
+
+
+class PreDrafter:
+    def _predraft_rounds(self, req_ids: list[str]) -> Iterator[None]:
+        """Generator: glue, then the branch steps, one forward per `next`; closing it caches the branches."""
+        t0 = time.perf_counter()
+        run: BranchRun | None = None
+        stats = self._predraft
+        try:
+            yield  # nothing before the answer is out: the first forward runs on the next `advance`
+            t0 = time.perf_counter()
+            self._flush_garbage()
+            roots, scores = self._glue(req_ids)
+            yield
+            if not roots:
+                return
+            for root, sc in zip(roots, scores, strict=True):
+                self._sent[root.req_id].ranked = _ranked(sc, root.drafts)
+            k = max(r.k for r in roots)
+            plan = self.planner.plan(len(roots), k)
+            stats.budget, stats.plan_steps = plan.branches, plan.steps
+            if not self.planner.branches_pay_off(plan, len(roots), k):
+                stats.skipped = True
+                return
+            candidates = []
+            for root, sc in zip(roots, scores, strict=True):
+                sent = self._sent[root.req_id]
+                fan = self.planner.fanout_for(len(sent.drafts), sent.fast, plan.branches)
+                if not self._sent[root.req_id].fast:
+                    self._fanout = fan
+                candidates.append(select_candidates(sc, root.drafts, fan))
+            run = BranchRun(self.runner, roots, candidates, num_steps=plan.steps, propose=self._propose_branches,
+                            keep_logits=True, vocab_size=self.vocab_size)
+            self._run = run
+            stats.dropped = run.dropped
+            stats.fork_copies, stats.branch_blocks = run.fork_copies, run.growth_blocks
+            while not run.done:
+                s0 = time.perf_counter()
+                rows = run.live_rows
+                run.step()
+                self.planner.record_forward(rows, time.perf_counter() - s0)
+                yield
+        finally:
+            if run is not None:
+                for branch in run.finish():
+                    sent = self._sent.get(branch.req_id)
+                    if branch.tokens and sent is not None:
+                        self.cache.put(branch, sent.round_id)
+                    else:
+                        self._release(branch.seq_id)
+            stats.predraft_s = time.perf_counter() - t0
+
+    def _glue(self, req_ids: list[str]) -> tuple[list[BranchRoot], list[torch.Tensor]]:
+        """Feed every token of context + drafts the draft has no KV for (normally just x_K; after an
+        n-gram backup the new context tail and all drafts), and gather the K+1 bonus distributions."""
+        chunks, wanted, items = [], [], []
+        for rid in req_ids:
+            st, sent = self.reqs.get(rid), self._sent.get(rid)
+            if st is None or sent is None or len(st.context) != sent.context_len:
+                continue
+            seq = st.context + sent.drafts
+            if not self.runner.has_request(rid):
+                self.runner.add_request(rid)
+            done = self.runner.num_computed(rid)
+            k = len(sent.drafts)
+            if done >= len(seq):  # cannot happen (drafts never all have KV); keep it safe
+                self.runner.truncate(rid, len(seq) - 1)
+                done = len(seq) - 1
+            have = len(st.draft_logits) if len(st.draft_logits) >= k and done == len(seq) - 1 else 0
+            need = min(len(seq) - done, k + 1 - have)  # depths have..k come from this forward
+            if have + need < k + 1:  # depth distributions neither kept nor recomputable: recompute all
+                self.runner.truncate(rid, max(0, sent.context_len - 1))
+                done = self.runner.num_computed(rid)
+                have, need = 0, k + 1
+            if not self._reserve(rid, len(seq) - done, protect=set(req_ids)):
+                continue  # no room for this request's pre-draft (its drafts are out already)
+            chunks.append((rid, seq[done:], done))
+            wanted.append(need)
+            items.append((rid, st, sent, have))
+        if not chunks:
+            return [], []
+        logits = self._timed_forward(chunks, num_logits=wanted)
+        roots, scores = [], []
+        offset = 0
+        for (rid, st, sent, have), need in zip(items, wanted, strict=True):
+            rows = logits[offset: offset + need]
+            offset += need
+            kept = list(st.draft_logits[:have])
+            st.drafted = list(sent.drafts)  # all drafts have KV now
+            st.draft_logits = []
+            roots.append(BranchRoot(rid, sent.context_len, tuple(sent.drafts)))
+            scores.append(torch.cat([torch.stack(kept), rows]) if kept else rows)
+        return roots, scores
+
+    def _propose_branches(self, req_id: str, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        st = self.reqs[req_id]
+        if st.sampling.greedy:
+            return logits.argmax(dim=-1), None
+        return self._sample(st, logits, depth=self._run.steps_done - 1)
