@@ -136,3 +136,14 @@ def test_branch_steps_follow_the_measured_hit_rate_and_probe_again():
     assert planner.branch_hit_rate == pytest.approx(2 / 32)  # steps without branches do not count
     decisions = [planner.branches_pay_off(plan, 32, 5) for _ in range(2 * PROBE_EVERY)]
     assert decisions.count(True) == 2 and decisions[PROBE_EVERY - 1] and decisions[-1]
+
+
+def test_ngram_lookups_only_where_a_miss_may_keep_them():
+    assert RoundPlanner({"backup": "ngram"}).needs_ngram_drafts()
+    assert not RoundPlanner({"backup": "jit"}).needs_ngram_drafts()
+    planner = RoundPlanner({})
+    assert not planner.needs_ngram_drafts()  # nothing measured: every miss is drafted now
+    for rows, seconds in ((1, 0.011), (2, 0.012), (8, 0.018)):
+        planner.record_forward(rows, seconds)
+    _measured(planner)
+    assert planner.needs_ngram_drafts()

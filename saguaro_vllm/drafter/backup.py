@@ -137,10 +137,11 @@ def step_rate(batch: int, hit_rate: float, k: int, alpha: float, tokens_fast: fl
         tokens = seconds = 0.0
         for m, p in counts:
             base = (batch - m) * e_hit + m * tokens_fast
-            misses = [DraftNow(i, feed, k, gain) for i in range(m)]
-            n = len(choose_draft_now(misses, base, verify_s, fixed_s, per_row_s, policy, rate)) if m else 0
-            tokens += p * (base + n * gain)
-            seconds += p * (verify_s + draft_now_s(misses[:n], fixed_s, per_row_s))
+            # The m alike misses as one candidate (same forwards, rows fed and gain): drafted all or none.
+            misses = [DraftNow(0, m * (feed + k - 1) - (k - 1), k, m * gain)] if m else []
+            drafted = misses if choose_draft_now(misses, base, verify_s, fixed_s, per_row_s, policy, rate) else []
+            tokens += p * (base + sum(c.gain for c in drafted))
+            seconds += p * (verify_s + draft_now_s(drafted, fixed_s, per_row_s))
         if rate is not None and tokens / seconds <= rate * (1 + 1e-9):
             break
         rate = tokens / seconds

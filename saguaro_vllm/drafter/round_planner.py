@@ -44,6 +44,8 @@ VERIFY_EMA = 0.3
 #: After this many rounds in a row whose branch steps were skipped, one round runs them anyway, so the
 #: measured hit rate that decides skipping is measured again (the workload may have changed).
 PROBE_EVERY = 16
+#: Steps between re-plannings of the per-depth outlook of `depth: "auto"` (k_max plans each time).
+OUTLOOK_EVERY = 8
 
 
 def smooth(old: float | None, new: float) -> float:
@@ -77,6 +79,9 @@ class RoundPlanner:
         #: step's depth (None: K)
         self.depth_choice: DepthChoice | None = None
         self.depth: int | None = None
+        self._outlook_steps: dict[int, int] = {}  # per depth: branch steps its pre-draft would plan
+        self._outlook_key: tuple[int, int] | None = None
+        self._outlook_age = 0
 
     # ---- measurements -------------------------------------------------------------------------------
     def answered(self) -> None:
@@ -175,6 +180,12 @@ class RoundPlanner:
             return list(fixed[:k]) + [fixed[-1]] if len(fixed) != k + 1 else list(fixed)
         return self.predictor.fanout(budget, k, fast_backup=fast)
 
+    def needs_ngram_drafts(self) -> bool:
+        """Whether misses may keep n-gram drafts this step (`draft_now` weighs them); with `backup: "jit"`
+        or before any timing is measured every miss is drafted now, so no n-gram lookup is needed."""
+        policy = self.opts.get("backup", "auto")
+        return policy == "ngram" or (policy == "auto" and self.verify_s is not None and len(self.costs) >= 3)
+
     def draft_now(self, candidates: Sequence[DraftNow], base_tokens: float) -> list[int]:
         """The rows to draft on the critical path (`backup.choose_draft_now` at the measured rate)."""
         cost = self.cost_model()
@@ -187,7 +198,12 @@ class RoundPlanner:
         underrate deep plans badly where the cache hits nearly always (T=0: modelled 0.68 for a 5-deep plan,
         measured 1.00), and a wrong ranking of depths costs more than a flat one."""
         hit_rate = self.hit_rate or 0.0
-        return {d: (hit_rate, self.plan(batch, d).steps) for d in range(1, k_max + 1)}
+        key = (batch, k_max)
+        if self._outlook_key != key or self._outlook_age >= OUTLOOK_EVERY:  # k_max plans: not every step
+            self._outlook_steps = {d: self.plan(batch, d).steps for d in range(1, k_max + 1)}
+            self._outlook_key, self._outlook_age = key, 0
+        self._outlook_age += 1
+        return {d: (hit_rate, steps) for d, steps in self._outlook_steps.items()}
 
     def choose_depth(self, batch: int, k_max: int, verify_s: float) -> int | None:
         """`depth: "auto"`: record the last verification and choose this step's depth (None: fixed K); one

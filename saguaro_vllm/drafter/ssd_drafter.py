@@ -93,7 +93,6 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         self._garbage: list[str] = []  # branch sequences to free once the answer is out
         self._total_blocks = runner.num_free_blocks
         self.planner = RoundPlanner(options)  # measurements and decisions (no model work)
-        self.predictor = self.planner.predictor
         self._sent: dict[str, _Sent] = {}
         self._work: Iterator[None] | None = None
         self._run: BranchRun | None = None  # the pre-draft's branch run (its step index picks Saguaro's F)
@@ -101,6 +100,11 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         self._fanout: list[int] = []  # the neural allocation in use (Saguaro sampling's F per depth)
         self.scale_choice = ScaleChoice() if options.get("sampling_scale") == "auto" else None
         self._best_scale: dict[int, float] = {}  # per temperature bucket: the best C last logged
+
+    @property
+    def predictor(self):
+        """The planner's outcome predictor (acceptance and n-gram estimates the lookups feed)."""
+        return self.planner.predictor
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def _release(self, seq_id: str) -> None:
@@ -257,7 +261,8 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         if stats.verify_s > 0 and NEW not in status and req.rows:
             self.planner.measure_rate(sum(len(r.new_tokens) for r, x in zip(req.rows, status) if x in (HIT, JIT)),
                                       stats.verify_s)
-        ngram = {i: ngram_drafts(self.reqs[req.rows[i].req_id].context, want[i]) for i in misses}
+        ngram = ({i: ngram_drafts(self.reqs[req.rows[i].req_id].context, want[i]) for i in misses}
+                 if self.planner.needs_ngram_drafts() else {})
         now = set(self._choose_draft_now(req, status, drafts, misses, topups, ngram, want))
         jit_rows = [i for i in misses if i in now]
         topups = [(i, more) for i, more in topups if i in now]
@@ -266,7 +271,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
             if i in now:
                 continue
             st = self.reqs[req.rows[i].req_id]
-            drafts[i] = ngram[i]
+            drafts[i] = ngram.get(i, [])
             if not drafts[i]:  # no earlier occurrence: this verification yields the bonus token alone
                 self.predictor.ngram_tokens.observe(1)
             st.drafted, st.draft_logits = [], []
@@ -323,11 +328,12 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         alpha = self.predictor.neural.alpha
         e_ngram = self.predictor.ngram_matched.mean
         candidates, base = [], 0.0
+        miss_rows = set(misses)
         for i, row in enumerate(req.rows):
-            if i in ngram:
+            if i in miss_rows:
                 st = self.reqs[row.req_id]
                 computed = self.runner.num_computed(row.req_id) if self.runner.has_request(row.req_id) else 0
-                fast = e_ngram if ngram[i] else 1.0
+                fast = e_ngram if ngram.get(i) else 1.0
                 candidates.append(DraftNow(i, max(1, len(st.context) - computed), want[i],
                                            expected_tokens(alpha, want[i]) - fast))
                 base += fast
