@@ -16,9 +16,9 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not engine"
 
-# Every case of benchmarks/cases.json, the depth ceiling and the verification curve (about 3 hours on
+# Every case of benchmarks/cases.json, the depth ceiling and the verification curve (about 4 hours on
 # 2 cores), then docs/benchmarks.md and plots.
-BENCH_CASES ?= cost-matrix temperature per-row-backup cost-equal-cores raw-b1 sweep-scale sweep-scale-top-f1 finish-predraft
+BENCH_CASES ?= cost-matrix temperature per-row-backup batch-sweep-32-64 cost-equal-cores raw-b1 sweep-scale sweep-scale-top-f1 finish-predraft
 bench: setup
 	for c in $(BENCH_CASES); do $(PY) benchmarks/run.py --case $$c || exit 1; done
 	$(PY) benchmarks/ceiling.py
