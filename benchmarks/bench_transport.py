@@ -211,7 +211,7 @@ def micro(vocab: int, batch: int, k: int, repeats: int) -> list[dict]:
     import numpy as np
     import torch
 
-    from saguaro_vllm.drafter.sampling import proposal_probs, proposal_probs_rows, sample_from, sample_rows
+    from saguaro_vllm.drafter.sampling import sample_proposals
     from saguaro_vllm.proposal_buffers import ProposalRing, SlotWriter, assemble, draft_positions
     from saguaro_vllm.transport import SamplingSpec
 
@@ -222,13 +222,14 @@ def micro(vocab: int, batch: int, k: int, repeats: int) -> list[dict]:
     gens = [torch.Generator().manual_seed(i) for i in range(batch)]
     ring = ProposalRing.create(rows=batch, k=k, vocab=vocab)
 
-    def before_drafter():
+    def before_drafter():  # b37cf6e: a softmax and an exponential race per row
         probs = {j: [] for j in range(batch)}
         drafts = [[] for _ in range(batch)]
         for pos in range(k):
             for j in range(batch):
-                q = proposal_probs(logits[pos][j][None], spec)[0]
-                drafts[j].append(int(sample_from(q[None], gens[j])[0]))
+                q = (logits[pos][j] / spec.temperature).softmax(-1)
+                e = torch.empty_like(q).exponential_(1.0, generator=gens[j])
+                drafts[j].append(int((q / e).argmax()))
                 probs[j].append(q.cpu().numpy())
         return drafts, pickle.dumps({j: np.stack(p) for j, p in probs.items()}, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -242,16 +243,16 @@ def micro(vocab: int, batch: int, k: int, repeats: int) -> list[dict]:
             dense[j, : len(drafts[j])] = torch.from_numpy(q[: len(drafts[j]), :vocab])
         return dense
 
-    def after_drafter():
+    def after_drafter():  # the drafter's sampler (one batched q' per position), q' copied into a ring slot
         w = SlotWriter(ring, seq=1)
         buf = w.buffer()
         for j in range(batch):
             w.row_of(j)
         toks = []
         for pos in range(k):
-            q = buf[:batch, pos]
-            proposal_probs_rows(logits[pos], [spec] * batch, out=q)
-            toks.append(sample_rows(q, gens))
+            tok, q = sample_proposals(logits[pos], [spec] * batch, gens)
+            buf[:batch, pos].copy_(q)
+            toks.append(tok)
         slot, rows = w.finish()
         return torch.stack(toks, 1).tolist(), slot, rows
 

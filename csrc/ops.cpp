@@ -11,8 +11,8 @@ TORCH_LIBRARY(saguaro, m) {
       "Tensor owners, Tensor depths, Tensor steps, Tensor branch_slots, float scale) -> Tensor");
   // Top-f per (request, depth) excluding the drafted token; -1 pads ranks >= fanout.
   m.def("select_candidates(Tensor scores, Tensor drafted, Tensor fanout, int max_fanout) -> (Tensor, Tensor)");
-  // Proposal q' (temperature, top-k, top-p, Saguaro scaling) and a Gumbel-max draw from it.
+  // Proposal q' (temperature, top-k, top-p, Saguaro scaling); tokens are drawn from it by the caller.
   m.def(
-      "sample_proposal(Tensor logits, Tensor gumbel, Tensor temperature, Tensor top_k, Tensor top_p, "
-      "Tensor saguaro_f, Tensor log_c) -> (Tensor, Tensor)");
+      "proposal_probs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor saguaro_f, "
+      "Tensor log_c) -> Tensor");
 }

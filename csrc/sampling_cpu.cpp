@@ -91,41 +91,33 @@ struct LazyOrder {
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> sample_proposal_cpu(const at::Tensor& logits, const at::Tensor& gumbel,
-                                                       const at::Tensor& temperature, const at::Tensor& top_k,
-                                                       const at::Tensor& top_p, const at::Tensor& saguaro_f,
-                                                       const at::Tensor& log_c) {
+at::Tensor proposal_probs_cpu(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                              const at::Tensor& top_p, const at::Tensor& saguaro_f, const at::Tensor& log_c) {
   TORCH_CHECK(logits.dim() == 2, "logits must be [rows, vocab]");
   const int64_t n = logits.size(0), V = logits.size(1);
   const auto x = logits.to(at::kFloat).contiguous();
-  const auto g = gumbel.to(at::kFloat).contiguous();
-  TORCH_CHECK(g.sizes() == x.sizes(), "gumbel must have the logits' shape");
   const auto tt = temperature.to(at::kFloat).contiguous();
   const auto tk = top_k.to(at::kLong).contiguous();
   const auto tp = top_p.to(at::kFloat).contiguous();
   const auto sf = saguaro_f.to(at::kLong).contiguous();
   const auto lc = log_c.to(at::kFloat).contiguous();
   for (const auto* t : {&tt, &tk, &tp, &sf, &lc}) TORCH_CHECK(t->numel() == n, "per-row parameters need one entry per row");
-  auto tokens = at::empty({n}, x.options().dtype(at::kLong));
   auto probs = at::zeros({n, V}, x.options());
-  const float *xp = x.data_ptr<float>(), *gp = g.data_ptr<float>(), *ttp = tt.data_ptr<float>();
+  const float *xp = x.data_ptr<float>(), *ttp = tt.data_ptr<float>();
   const float *tpp = tp.data_ptr<float>(), *lcp = lc.data_ptr<float>();
   const int64_t *tkp = tk.data_ptr<int64_t>(), *sfp = sf.data_ptr<int64_t>();
-  int64_t* top = tokens.data_ptr<int64_t>();
   float* pp = probs.data_ptr<float>();
   at::parallel_for(0, n, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> z(V), e(V);
     std::vector<uint8_t> topf(V);
     for (int64_t r = lo; r < hi; ++r) {
       const float* xr = xp + r * V;
-      const float* gr = gp + r * V;
       float* pr = pp + r * V;
       const float t = ttp[r];
       if (!(t > 0.f)) {  // greedy: argmax, one-hot proposal
         int64_t best = 0;
         for (int64_t v = 1; v < V; ++v)
           if (xr[v] > xr[best]) best = v;
-        top[r] = best;
         pr[best] = 1.f;
         continue;
       }
@@ -181,25 +173,17 @@ std::tuple<at::Tensor, at::Tensor> sample_proposal_cpu(const at::Tensor& logits,
       if (lcr == kNegInf && n_kept <= F) lcr = 0.f;  // C = 0 would leave no mass: no scaling
       const float c = F > 0 ? std::exp(lcr) : 1.f;
       double Zs = 0.0;
-      float best_key = kNegInf;
-      int64_t best = -1;
       for (int64_t v = 0; v < V; ++v) {
         if (e[v] == 0.f && !(z[v] >= kth && z[v] > cut)) continue;
         const float w = topf[v] ? e[v] * c : e[v];
         pr[v] = w;
         Zs += w;
-        const float key = (topf[v] ? z[v] + lcr : z[v]) + gr[v];
-        if (key > best_key || best < 0) {
-          best_key = key;
-          best = v;
-        }
       }
       const float inv = static_cast<float>(1.0 / Zs);
       for (int64_t v = 0; v < V; ++v) pr[v] *= inv;
-      top[r] = best;
     }
   });
-  return {tokens, probs.to(logits.device())};
+  return probs.to(logits.device());
 }
 
 }  // namespace
@@ -207,5 +191,5 @@ std::tuple<at::Tensor, at::Tensor> sample_proposal_cpu(const at::Tensor& logits,
 
 TORCH_LIBRARY_IMPL(saguaro, CPU, m) {
   m.impl("select_candidates", &saguaro::select_candidates_cpu);
-  m.impl("sample_proposal", &saguaro::sample_proposal_cpu);
+  m.impl("proposal_probs", &saguaro::proposal_probs_cpu);
 }

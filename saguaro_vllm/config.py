@@ -365,12 +365,6 @@ def parse_speculative_config(raw: dict[str, Any]) -> tuple[SaguaroConfig, dict[s
     return cfg, passed
 
 
-def parse_saguaro_config(raw: dict[str, Any]) -> SaguaroConfig:
-    """The Saguaro config of a raw speculative-config dict (keys may use '-' or '_'); see
-    `parse_speculative_config`."""
-    return parse_speculative_config(raw)[0]
-
-
 def load_speculative_config_arg(value: str) -> dict[str, Any]:
     """`--speculative-config` value: a JSON object, or the path of a JSON file holding one."""
     text = value.strip()

@@ -231,17 +231,6 @@ class SaguaroProposer:
         self._last_probs = probs
         self._last_prob_req_ids = [req_ids[row_index[j]] for j in answer_rows]
 
-    def _one_hot_probs(self, drafts: list[list[int]]) -> torch.Tensor | None:
-        """One-hot q for every row with drafts (what vLLM assumes without probabilities), in a fresh tensor;
-        sets the request ids like `_take_probs`. For tests that need a dense tensor of a greedy step."""
-        rows = [i for i, d in enumerate(drafts) if d]
-        if not rows:
-            return None
-        buf = torch.empty(len(rows), self.k, self.vocab_size, dtype=torch.float32)
-        probs, answer_rows = assemble(buf, [], [drafts[i] for i in rows], self.k)
-        self._last_prob_req_ids = [self.runner.input_batch.req_ids[rows[j]] for j in answer_rows]
-        return probs.to(self.runner.device)
-
 
 def _max_rows(vllm_config: Any) -> int:
     """Rows a step can have: the scheduler's `max_num_seqs` (vLLM's default, 256, for configs without a

@@ -9,20 +9,16 @@ import random
 
 import pytest
 import torch
+from branch_runs import draft_branches
 
-from saguaro_vllm.drafter.branches import (
-    BranchRoot,
-    BranchRun,
-    bonus_distributions,
-    draft_branches,
-    glue,
-)
+from saguaro_vllm.drafter.branches import BranchRoot, BranchRun, bonus_distributions, glue
 from saguaro_vllm.drafter.kv_cache import KVCacheConfig
 from saguaro_vllm.drafter.model.loader import load_draft_model
 from saguaro_vllm.drafter.predictor import select_candidates
 from saguaro_vllm.drafter.runner import DraftModelRunner
-from saguaro_vllm.drafter.sampling import proposal_probs, sample_from
+from saguaro_vllm.drafter.sampling import sample_proposals
 from saguaro_vllm.drafter.sync_drafter import SyncDrafter
+from saguaro_vllm.ops import proposal_probs
 from saguaro_vllm.proposal_buffers import ProposalRing
 from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
 
@@ -162,8 +158,8 @@ def test_sampled_branches_return_their_exact_proposal(model):
 
     def propose(req_id, logits):
         calls.append((req_id, logits.shape[0]))
-        q = proposal_probs(logits, spec)
-        return sample_from(q, gens[req_id]), q
+        n = logits.shape[0]
+        return sample_proposals(logits, [spec] * n, [gens[req_id]] * n)
 
     candidates = [select_candidates(bonus_distributions(drafter.reqs[r.req_id].draft_logits, depth_k[i]),
                                     r.drafts, FANOUT) for i, r in enumerate(roots)]
@@ -175,7 +171,8 @@ def test_sampled_branches_return_their_exact_proposal(model):
         assert len(b.tokens) == 3 and b.logits is None and b.probs.shape == (3, model.config.vocab_size)
         prefix = ctx[b.req_id] + drafts[b.req_id][: b.depth] + [b.bonus]
         _, ref_logits = chain(model, prefix, 3, forced=b.tokens)
-        torch.testing.assert_close(b.probs, proposal_probs(ref_logits, spec), **TOL)
+        ref_q = proposal_probs(ref_logits, spec.temperature, spec.top_k, spec.top_p)
+        torch.testing.assert_close(b.probs, ref_q, **TOL)
         assert all(b.probs[s, t] > 0 for s, t in enumerate(b.tokens))
     for b in branches:
         runner.free_request(b.seq_id)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from saguaro_vllm.config import ASYNC_ONLY, SaguaroConfigError, SaguaroOptions, load_speculative_config_arg, \
-    parse_saguaro_config
+    parse_speculative_config
 from saguaro_vllm.vllm_spec_keys import PASSED_THROUGH, REFUSED, SAGUARO_FIELDS
 
 TARGET_MAX_LEN = 256
@@ -249,5 +249,5 @@ def test_arg_loader_errors(tmp_path):
 
 
 def test_parse_defaults():
-    cfg = parse_saguaro_config({"method": "saguaro", "model": "x", "num-speculative-tokens": 5})
+    cfg = parse_speculative_config({"method": "saguaro", "model": "x", "num-speculative-tokens": 5})[0]
     assert cfg.saguaro.mode == "async" and cfg.saguaro.block_size == 16

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from saguaro_vllm.config import SaguaroConfig, SaguaroOptions, parse_saguaro_config
+from saguaro_vllm.config import SaguaroConfig, SaguaroOptions, parse_speculative_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -28,5 +28,5 @@ def test_top_level_keys_documented(name):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.json")), ids=lambda p: p.name)
 def test_shipped_configs_parse(path):
-    cfg = parse_saguaro_config(json.loads(path.read_text()))
+    cfg = parse_speculative_config(json.loads(path.read_text()))[0]
     assert cfg.method == "saguaro"

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from saguaro_vllm.config import SaguaroConfigError, parse_saguaro_config
+from saguaro_vllm.config import SaguaroConfigError, parse_speculative_config
 from saguaro_vllm.drafter.kv_cache import KVCacheConfig
 from saguaro_vllm.drafter.model import load_draft_model
 from saguaro_vllm.drafter.model import linear_kernels
@@ -143,5 +143,5 @@ def test_resolve_linear():
 
 def test_config_rejects_unknown_linear():
     with pytest.raises(SaguaroConfigError, match="saguaro.linear"):
-        parse_saguaro_config({"method": "saguaro", "model": "x", "num_speculative_tokens": 3,
-                              "saguaro": {"linear": "fp8"}})
+        parse_speculative_config({"method": "saguaro", "model": "x", "num_speculative_tokens": 3,
+                              "saguaro": {"linear": "fp8"}})[0]

@@ -49,9 +49,9 @@ def test_fake_kernels_give_shapes():
                                          torch.empty(2, 4, dtype=torch.int32), 6)
         assert tok.shape == val.shape == (2, 4, 6) and tok.dtype == torch.int64
         f = torch.empty(3)
-        tokens, probs = ops.sample_proposal(torch.empty(3, 50), torch.empty(3, 50), f,
-                                            torch.empty(3, dtype=torch.int64), f, torch.empty(3, dtype=torch.int64), f)
-        assert tokens.shape == (3,) and probs.shape == (3, 50)
+        probs = ops.proposal_probs(torch.empty(3, 50), f, torch.empty(3, dtype=torch.int64), f,
+                                   torch.empty(3, dtype=torch.int64), f)
+        assert probs.shape == (3, 50) and probs.dtype == torch.float32
 
 
 def test_reference_policy(monkeypatch):

@@ -1,12 +1,12 @@
-"""Proposal sampling: compiled kernels vs the plain-torch reference (same tokens for the same noise, q' within
-fp32 rounding), the drafter's existing proposal, and the sampled distribution."""
+"""The proposal q': compiled kernels vs the plain-torch reference (within fp32 rounding), an independent
+softmax for the unscaled case, Saguaro's scaling, and draws from q' by the drafter's sampler."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from saguaro_vllm.ops import draw_gumbel, loader, reference, sample_proposal
+from saguaro_vllm.ops import loader, proposal_probs, reference
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -43,53 +43,70 @@ def test_matches_reference(case, device):
     if ties:
         logits = (logits * 2).round() / 2
     logits = logits[:, 1 : 1 + vocab].to(device)  # non-contiguous rows
-    gumbel = draw_gumbel(n, vocab, [torch.Generator().manual_seed(i) for i in range(n)]).to(device)
     temperature, top_k, top_p, f, c = (t.to(device) for t in make_params(n, seed))
-    tokens, probs = sample_proposal(logits, gumbel, temperature, top_k, top_p, f, c)
-    ref_tokens, ref_probs = reference.sample_proposal(logits, gumbel, temperature, top_k, top_p, f, torch.log(c))
-    assert torch.equal(tokens, ref_tokens)
-    torch.testing.assert_close(probs, ref_probs, atol=1e-6, rtol=1e-5)
-    assert bool((probs.gather(1, tokens[:, None]) > 0).all())
+    probs = proposal_probs(logits, temperature, top_k, top_p, f, c)
+    ref = reference.proposal_probs(logits, temperature, top_k, top_p, f, torch.log(c))
+    torch.testing.assert_close(probs, ref, atol=1e-6, rtol=1e-5)
+    assert torch.equal(probs > 0, ref > 0)  # the same support: a token one side never draws, neither does the other
     torch.testing.assert_close(probs.sum(-1), torch.ones(n, device=device))
+    greedy = ~(temperature > 0)
+    assert torch.equal(probs[greedy].argmax(-1), logits[greedy].argmax(-1))
+    assert bool((probs[greedy].max(-1).values == 1).all())
 
 
-def test_matches_drafter_proposal_without_scaling():
-    """With F = 0 the proposal is the drafter's temperature/top-k/top-p distribution."""
-    pytest.importorskip("zmq")  # saguaro_vllm.transport needs it; the GPU check machine may lack it
-    from saguaro_vllm.drafter.sampling import proposal_probs
-    from saguaro_vllm.transport import SamplingSpec
+def _plain_proposal(logits, temperature, top_k=0, top_p=1.0):
+    """An independent plain softmax with top-k then top-p (distinct values, so ties do not matter)."""
+    z = logits / temperature
+    if top_k:
+        z = z.masked_fill(z < torch.topk(z, top_k, dim=-1).values[..., -1:], float("-inf"))
+    p = z.softmax(-1)
+    if top_p < 1.0:
+        sp, order = p.sort(-1, descending=True)
+        drop = sp.cumsum(-1) - sp >= top_p  # the mass above each token reaches top_p
+        p = p.scatter(-1, order, sp.masked_fill(drop, 0.0))
+        p = p / p.sum(-1, keepdim=True)
+    return p
 
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unscaled_proposal_is_the_request_distribution(device):
+    """With F = 0, q' is softmax(logits / T) restricted to the top-k and then top-p set."""
     g = torch.Generator().manual_seed(4)
-    logits = torch.randn(3, 500, generator=g) * 3
-    for spec in (SamplingSpec(0.8), SamplingSpec(1.0, top_k=20), SamplingSpec(0.6, top_p=0.9),
-                 SamplingSpec(1.2, top_p=0.7, top_k=50)):
-        _, probs = sample_proposal(logits, draw_gumbel(3, 500), spec.temperature, spec.top_k, spec.top_p)
-        torch.testing.assert_close(probs, proposal_probs(logits, spec), atol=1e-6, rtol=1e-5)
+    logits = (torch.randn(3, 500, generator=g) * 3).to(device)
+    for t, k, p in ((0.8, 0, 1.0), (1.0, 20, 1.0), (0.6, 0, 0.9), (1.2, 50, 0.7)):
+        probs = proposal_probs(logits, t, k, p)
+        torch.testing.assert_close(probs, _plain_proposal(logits, t, k, p), atol=1e-6, rtol=1e-5)
 
 
 def test_saguaro_scaling_worked_example():
     """q = [0.5, 0.3, 0.2]; F = 1, C = 0.5: q' = [0.25, 0.3, 0.2] / 0.75."""
     logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
-    _, probs = sample_proposal(logits, draw_gumbel(1, 3), 1.0, saguaro_f=1, saguaro_c=0.5)
+    probs = proposal_probs(logits, 1.0, saguaro_f=1, saguaro_c=0.5)
     torch.testing.assert_close(probs, torch.tensor([[0.25, 0.3, 0.2]]) / 0.75)
-    _, probs = sample_proposal(logits, draw_gumbel(1, 3), 1.0, top_k=1, saguaro_f=1, saguaro_c=0.0)
+    probs = proposal_probs(logits, 1.0, top_k=1, saguaro_f=1, saguaro_c=0.0)
     torch.testing.assert_close(probs, torch.tensor([[1.0, 0.0, 0.0]]))  # C = 0 with nothing else kept
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_samples_follow_the_proposal(device):
-    """20000 draws of one row: empirical frequencies match q' (max deviation well within 5 sigma)."""
+    """20000 draws (the drafter's sampler, one row each) from one scaled q': frequencies match q' (within
+    5 sigma) and tokens of probability 0 never come."""
+    pytest.importorskip("zmq")  # saguaro_vllm.transport needs it; the GPU check machine may lack it
+    from saguaro_vllm.drafter.sampling import sample_proposals
+    from saguaro_vllm.transport import SamplingSpec
+
     n, vocab = 20000, 8
     logits = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.0, -0.5, -1.0, -3.0]).expand(n, vocab).to(device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    gumbel = torch.empty(n, vocab, device=device).exponential_(generator=gen).log_().neg_()
-    tokens, probs = sample_proposal(logits, gumbel, 0.9, top_k=6, top_p=0.97, saguaro_f=2, saguaro_c=0.4)
-    freq = torch.bincount(tokens, minlength=vocab).float() / n
+    gen = torch.Generator().manual_seed(0)
+    tokens, probs = sample_proposals(logits, [SamplingSpec(0.9, top_k=6, top_p=0.97)] * n, [gen] * n, 2, 0.4)
     q = probs[0]
+    assert bool((q[6:] == 0).all()) and q[1] < q[2]  # top-k cut; the second token scaled below the third
+    freq = torch.bincount(tokens, minlength=vocab).float() / n
     sigma = (q * (1 - q) / n).sqrt()
     assert bool(((freq - q).abs() <= 5 * sigma + 1e-9).all()), (freq, q)
+    assert int(freq[q == 0].sum()) == 0
 
 
 def test_rejects_bad_c():
     with pytest.raises(ValueError):
-        sample_proposal(torch.zeros(1, 4), torch.zeros(1, 4), 1.0, saguaro_f=1, saguaro_c=1.5)
+        proposal_probs(torch.zeros(1, 4), 1.0, saguaro_f=1, saguaro_c=1.5)

@@ -53,7 +53,7 @@ def test_bf16_detection_reads_cpu_flags(tmp_path, flags, expected):
 
 def _placement(monkeypatch, cores: int, world: int, bind: str | None = None, **saguaro):
     """Resolve the placement as on a machine whose process may use cores 0..cores-1."""
-    from saguaro_vllm.config import parse_saguaro_config
+    from saguaro_vllm.config import parse_speculative_config
     from saguaro_vllm.resolve import resolve_cpu_placement
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
@@ -61,8 +61,8 @@ def _placement(monkeypatch, cores: int, world: int, bind: str | None = None, **s
         monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     else:
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
-    cfg = parse_saguaro_config({"method": "saguaro", "model": "d", "num_speculative_tokens": 3,
-                                "saguaro": saguaro})
+    cfg = parse_speculative_config({"method": "saguaro", "model": "d", "num_speculative_tokens": 3,
+                                "saguaro": saguaro})[0]
     return resolve_cpu_placement(cfg, world)
 
 
@@ -92,11 +92,11 @@ def test_a_binding_written_by_an_earlier_engine_is_not_taken_for_the_users(monke
     # where the user's own '0' is still an error naming the fix (below).
     monkeypatch.setenv("SAGUARO_SET_OMP_THREADS_BIND", "0")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
-    from saguaro_vllm.config import parse_saguaro_config
+    from saguaro_vllm.config import parse_speculative_config
     from saguaro_vllm.resolve import resolve_cpu_placement
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
-    cfg = parse_saguaro_config({"method": "saguaro", "model": "d", "num_speculative_tokens": 3})
+    cfg = parse_speculative_config({"method": "saguaro", "model": "d", "num_speculative_tokens": 3})[0]
     p = resolve_cpu_placement(cfg, 2)
     assert p.ranks == [[0], [1]] and p.draft == [2, 3]
     monkeypatch.setenv("SAGUARO_SET_OMP_THREADS_BIND", "0,1")
@@ -138,11 +138,11 @@ def test_share_cores_lets_the_drafter_share_a_rank_core(monkeypatch):
 def test_auto_device_counts_tensor_times_pipeline_gpus(monkeypatch, count, tp, pp, expected):
     import torch
 
-    from saguaro_vllm.config import SaguaroConfigError, parse_saguaro_config
+    from saguaro_vllm.config import SaguaroConfigError, parse_speculative_config
     from saguaro_vllm.resolve import resolve_device
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    cfg = parse_saguaro_config({"method": "saguaro", "model": "d", "num_speculative_tokens": 3})
+    cfg = parse_speculative_config({"method": "saguaro", "model": "d", "num_speculative_tokens": 3})[0]
     if expected is None:
         with pytest.raises(SaguaroConfigError, match=rf"uses {tp * pp} of {count} GPUs \(tensor parallel {tp} "
                                                      rf"x pipeline parallel {pp}\)"):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from saguaro_vllm.drafter.sampling import proposal_probs, proposal_probs_rows, sample_rows
+from saguaro_vllm.drafter.sampling import sample_proposals, sample_rows
 from saguaro_vllm.proposal_buffers import FREE, HELD, WRITING, ProposalRing, SlotWriter, assemble
 from saguaro_vllm.transport import SamplingSpec
 
@@ -160,17 +160,22 @@ def test_two_processes_never_overwrite_a_held_slot():
     assert proc.returncode == 0
 
 
-def test_batched_proposal_equals_the_per_row_proposal():
+def test_batched_proposals_equal_the_per_row_proposals():
+    """One `sample_proposals` call over rows with their own temperature, top-k, top-p, F and C gives each
+    row the q' of a call for that row alone, and each row's token from its own generator."""
     torch.manual_seed(0)
     logits = torch.randn(7, 300) * 4
     specs = [SamplingSpec(temperature=t, top_k=k, top_p=p)
              for t, k, p in [(1.0, 0, 1.0), (0.7, 20, 1.0), (1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.8),
                              (1.0, 0, 1.0), (1.3, 0, 0.8)]]
-    buf = torch.zeros(7, 3, 300)
-    proposal_probs_rows(logits, specs, out=buf[:, 1])
+    f, c = [0, 2, 3, 0, 1, 4, 0], [1.0, 0.5, 0.2, 1.0, 0.0, 0.7, 1.0]
+    gens = [torch.Generator().manual_seed(i) for i in range(7)]
+    tokens, q = sample_proposals(logits, specs, gens, f, c)
     for i, spec in enumerate(specs):
-        torch.testing.assert_close(buf[i, 1], proposal_probs(logits[i: i + 1], spec)[0], rtol=0, atol=1e-7)
-    assert buf[:, 0].abs().sum() == 0 and buf[:, 2].abs().sum() == 0  # only the given position is written
+        one_tok, one_q = sample_proposals(logits[i: i + 1], [spec], [torch.Generator().manual_seed(i)], f[i], c[i])
+        torch.testing.assert_close(q[i], one_q[0], rtol=0, atol=1e-7)
+        assert int(tokens[i]) == int(one_tok[0]) and float(q[i, tokens[i]]) > 0
+    assert float(q[2].max()) < float(torch.softmax(logits[2], -1).max())  # C = 0.2 on the top 3 took effect
 
 
 def test_sample_rows_is_exact_and_reproducible():

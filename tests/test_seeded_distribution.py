@@ -28,14 +28,14 @@ def _seeded(first_seed: int) -> Job:
 def test_draft_generator_is_not_the_targets_stream_and_is_reproducible():
     for seed in (0, 1, 7, 2**31 - 1, 2**63 - 1, -5):
         target = torch.empty(64).exponential_(generator=torch.Generator().manual_seed(seed & (2**64 - 1)))
-        draft = torch.empty(64).exponential_(generator=request_generator(seed, "cpu"))
-        again = torch.empty(64).exponential_(generator=request_generator(seed, "cpu"))
+        draft = torch.empty(64).exponential_(generator=request_generator(seed))
+        again = torch.empty(64).exponential_(generator=request_generator(seed))
         assert not torch.equal(draft, target) and torch.equal(draft, again)
         assert 0 <= draft_seed(seed) < 2**64 and draft_seed(seed) != seed
     assert len({draft_seed(s) for s in range(1000)}) == 1000
     # A fixed function: seeded drafts stay reproducible across processes, runs and versions.
     assert (draft_seed(0), draft_seed(12345)) == (0x369863ACD9464CF2, 0xECD598F1702011DC)
-    unseeded = [torch.empty(8).exponential_(generator=request_generator(None, "cpu")) for _ in range(2)]
+    unseeded = [torch.empty(8).exponential_(generator=request_generator(None)) for _ in range(2)]
     assert not torch.equal(*unseeded)
 
 

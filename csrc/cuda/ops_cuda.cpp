@@ -102,30 +102,24 @@ std::tuple<at::Tensor, at::Tensor> select_candidates_cuda(const at::Tensor& scor
   return {tokens, values};
 }
 
-std::tuple<at::Tensor, at::Tensor> sample_proposal_cuda(const at::Tensor& logits, const at::Tensor& gumbel,
-                                                        const at::Tensor& temperature, const at::Tensor& top_k,
-                                                        const at::Tensor& top_p, const at::Tensor& saguaro_f,
-                                                        const at::Tensor& log_c) {
+at::Tensor proposal_probs_cuda(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                               const at::Tensor& top_p, const at::Tensor& saguaro_f, const at::Tensor& log_c) {
   const c10::cuda::CUDAGuard guard(logits.device());
   TORCH_CHECK(logits.dim() == 2, "logits must be [rows, vocab]");
   const int64_t n = logits.size(0), V = logits.size(1);
   const auto x = logits.to(at::kFloat).contiguous();
-  const auto g = gumbel.to(at::kFloat).contiguous();
-  TORCH_CHECK(g.sizes() == x.sizes(), "gumbel must have the logits' shape");
   const auto tt = temperature.to(at::kFloat).contiguous();
   const auto tk = top_k.to(at::kLong).contiguous();
   const auto tp = top_p.to(at::kFloat).contiguous();
   const auto sf = saguaro_f.to(at::kLong).contiguous();
   const auto lc = log_c.to(at::kFloat).contiguous();
   for (const auto* t : {&tt, &tk, &tp, &sf, &lc}) TORCH_CHECK(t->numel() == n, "per-row parameters need one entry per row");
-  auto tokens = at::empty({n}, x.options().dtype(at::kLong));
   auto probs = at::empty({n, V}, x.options());
-  check(saguaro_cuda::sample_proposal(x.data_ptr<float>(), g.data_ptr<float>(), tt.data_ptr<float>(),
-                                      tk.data_ptr<int64_t>(), tp.data_ptr<float>(), sf.data_ptr<int64_t>(),
-                                      lc.data_ptr<float>(), n, V, tokens.data_ptr<int64_t>(), probs.data_ptr<float>(),
-                                      at::cuda::getCurrentCUDAStream()),
-        "saguaro sample_proposal");
-  return {tokens, probs};
+  check(saguaro_cuda::proposal_probs(x.data_ptr<float>(), tt.data_ptr<float>(), tk.data_ptr<int64_t>(),
+                                     tp.data_ptr<float>(), sf.data_ptr<int64_t>(), lc.data_ptr<float>(), n, V,
+                                     probs.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
+        "saguaro proposal_probs");
+  return probs;
 }
 
 }  // namespace
@@ -135,5 +129,5 @@ TORCH_LIBRARY_IMPL(saguaro, CUDA, m) {
   m.impl("write_kv", &saguaro::write_kv_cuda);
   m.impl("branch_attention", &saguaro::branch_attention_cuda);
   m.impl("select_candidates", &saguaro::select_candidates_cuda);
-  m.impl("sample_proposal", &saguaro::sample_proposal_cuda);
+  m.impl("proposal_probs", &saguaro::proposal_probs_cuda);
 }

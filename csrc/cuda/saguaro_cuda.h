@@ -34,10 +34,9 @@ cudaError_t select_candidates(DType dt, const void* scores, int64_t s0, int64_t 
                               int64_t k1, int64_t vocab, const int64_t* drafted, const int64_t* fanout,
                               int64_t max_fanout, int64_t* tokens, float* values, cudaStream_t stream);
 
-// logits/gumbel [n, V] float32 contiguous; probs [n, V] float32 out; tokens [n] int64 out.
-cudaError_t sample_proposal(const float* logits, const float* gumbel, const float* temperature,
-                            const int64_t* top_k, const float* top_p, const int64_t* saguaro_f,
-                            const float* log_c, int64_t rows, int64_t vocab, int64_t* tokens, float* probs,
-                            cudaStream_t stream);
+// logits [n, V] float32 contiguous; probs [n, V] float32 out.
+cudaError_t proposal_probs(const float* logits, const float* temperature, const int64_t* top_k,
+                           const float* top_p, const int64_t* saguaro_f, const float* log_c, int64_t rows,
+                           int64_t vocab, float* probs, cudaStream_t stream);
 
 }  // namespace saguaro_cuda

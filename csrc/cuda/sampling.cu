@@ -1,4 +1,4 @@
-// CUDA kernels: candidate selection and proposal sampling, one block per row. Same semantics and token order
+// CUDA kernels: candidate selection and the proposal q', one block per row. Same semantics and token order
 // as the CPU kernels (saguaro_vllm/ops/reference.py): thresholds are found by binary search over the
 // order-preserving bit pattern of the values, so no sort is needed.
 #include <cfloat>
@@ -62,18 +62,16 @@ __global__ void select_candidates_kernel(const T* __restrict__ scores, int64_t s
   }
 }
 
-__global__ void sample_proposal_kernel(const float* __restrict__ logits, const float* __restrict__ gumbel,
-                                       const float* __restrict__ temperature, const int64_t* __restrict__ top_k,
-                                       const float* __restrict__ top_p, const int64_t* __restrict__ saguaro_f,
-                                       const float* __restrict__ log_c, int64_t vocab, int64_t* __restrict__ tokens,
-                                       float* __restrict__ probs) {
+__global__ void proposal_probs_kernel(const float* __restrict__ logits, const float* __restrict__ temperature,
+                                      const int64_t* __restrict__ top_k, const float* __restrict__ top_p,
+                                      const int64_t* __restrict__ saguaro_f, const float* __restrict__ log_c,
+                                      int64_t vocab, float* __restrict__ probs) {
   __shared__ Best sb[32];
   __shared__ float sf[32];
   __shared__ double sd[32];
   __shared__ long long si[32];
   const int64_t r = blockIdx.x;
   const float* x = logits + r * vocab;
-  const float* gr = gumbel + r * vocab;
   float* pr = probs + r * vocab;
   const float t = temperature[r];
   if (!(t > 0.f)) {  // greedy
@@ -84,7 +82,6 @@ __global__ void sample_proposal_kernel(const float* __restrict__ logits, const f
     }
     best = block_reduce(best, BestOp{}, sb);
     for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) pr[v] = v == best.idx ? 1.f : 0.f;
-    if (threadIdx.x == 0) tokens[r] = best.idx;
     return;
   }
   // z_v = x_v / t is recomputed in every pass (IEEE division: identical to the other implementations).
@@ -160,18 +157,13 @@ __global__ void sample_proposal_kernel(const float* __restrict__ logits, const f
   const float c = F > 0 ? expf(lc) : 1.f;
 
   double ws = 0.0;
-  Best best = none_best();
   for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
     const float z = x[v] / t;
     if (!kept(z)) continue;
-    const bool tf = in_topf(z, v);
     const float e = expf(z - zmax);
-    ws += tf ? e * c : e;
-    const Best cand{(tf ? z + lc : z) + gr[v], v};
-    if (better(cand, best)) best = cand;
+    ws += in_topf(z, v) ? e * c : e;
   }
   const double Zs = block_reduce(ws, SumD{}, sd);
-  best = block_reduce(best, BestOp{}, sb);
   const float inv = static_cast<float>(1.0 / Zs);
   for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
     const float z = x[v] / t;
@@ -182,7 +174,6 @@ __global__ void sample_proposal_kernel(const float* __restrict__ logits, const f
     }
     pr[v] = w * inv;
   }
-  if (threadIdx.x == 0) tokens[r] = best.idx;
 }
 
 }  // namespace
@@ -212,13 +203,12 @@ cudaError_t select_candidates(DType dt, const void* scores, int64_t s0, int64_t 
   return cudaGetLastError();
 }
 
-cudaError_t sample_proposal(const float* logits, const float* gumbel, const float* temperature,
-                            const int64_t* top_k, const float* top_p, const int64_t* saguaro_f,
-                            const float* log_c, int64_t rows, int64_t vocab, int64_t* tokens, float* probs,
-                            cudaStream_t stream) {
+cudaError_t proposal_probs(const float* logits, const float* temperature, const int64_t* top_k,
+                           const float* top_p, const int64_t* saguaro_f, const float* log_c, int64_t rows,
+                           int64_t vocab, float* probs, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  sample_proposal_kernel<<<rows, kThreads, 0, stream>>>(logits, gumbel, temperature, top_k, top_p, saguaro_f,
-                                                        log_c, vocab, tokens, probs);
+  proposal_probs_kernel<<<rows, kThreads, 0, stream>>>(logits, temperature, top_k, top_p, saguaro_f, log_c, vocab,
+                                                       probs);
   return cudaGetLastError();
 }
 

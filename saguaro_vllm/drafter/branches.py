@@ -224,19 +224,3 @@ class BranchRun:
         for (_, _, b), lg, pr in zip(self._flat, self._logits, self._probs, strict=True):
             b.logit_rows, b.prob_rows = lg, pr
         return [b for _, _, b in self._flat]
-
-
-def draft_branches(
-    runner: DraftModelRunner,
-    roots: Sequence[BranchRoot],
-    candidates: Sequence[Sequence[tuple[int, int]]],
-    num_steps: int | None = None,
-    propose: Propose = greedy,
-    keep_logits: bool = False,
-    vocab_size: int | None = None,
-) -> list[Branch]:
-    """All steps of a `BranchRun` at once: `num_steps` tokens (default K) for every admitted candidate."""
-    run = BranchRun(runner, roots, candidates, num_steps, propose, keep_logits, vocab_size)
-    while not run.done:
-        run.step()
-    return run.finish()

@@ -101,7 +101,7 @@ class PreDrafter:
             items.append((rid, st, sent, have))
         if not chunks:
             return [], []
-        logits = self._timed_forward(chunks, num_logits=wanted)
+        logits = self._forward(chunks, num_logits=wanted)
         roots, scores = [], []
         offset = 0
         for (rid, st, sent, have), need in zip(items, wanted, strict=True):

@@ -120,10 +120,6 @@ class DraftModelRunner:
         self._requests[parent_id] = child
         del self._requests[child_id]
 
-    def block_ids(self, req_id: str) -> list[int]:
-        """The sequence's blocks in logical order (a copy)."""
-        return list(self._get(req_id).block_table.blocks)
-
     @property
     def num_free_blocks(self) -> int:
         return self.kv_cache.allocator.num_free

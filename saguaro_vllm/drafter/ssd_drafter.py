@@ -32,11 +32,10 @@ from saguaro_vllm.drafter.predictor import MAX_RANK
 from saguaro_vllm.drafter.predraft import PreDrafter
 from saguaro_vllm.drafter.round_planner import RoundPlanner
 from saguaro_vllm.drafter.runner import DraftModelRunner
+from saguaro_vllm.drafter.sampling import sample_proposals
 from saguaro_vllm.drafter.scale_choice import ScaleChoice, temperature_bucket
 from saguaro_vllm.drafter.spec_cache import SpeculationCache
 from saguaro_vllm.drafter.sync_drafter import NO_ROOM, SyncDrafter, _ReqState
-from saguaro_vllm.ops import draw_gumbel, sample_proposal
-from saguaro_vllm.proposal_buffers import SlotWriter
 from saguaro_vllm.transport import StepRequest, StepResponse
 
 logger = logging.getLogger("saguaro_vllm.drafter")
@@ -83,6 +82,27 @@ class SSDStats:
     scale_sum: float = 0.0  # sum of C over the sampled draft tokens (mean C = scale_sum / sampled_drafts)
     fork_copies: int = 0  # partial KV blocks copied when the pre-draft forked its branches
     branch_blocks: int = 0  # KV blocks reserved for branches' tokens past a block edge
+
+
+@dataclasses.dataclass
+class _Answer:
+    """One step's answer as it is built, per row of the request."""
+
+    n: dataclasses.InitVar[int]
+    drafts: list[list[int]] = dataclasses.field(default_factory=list)
+    probs: dict[int, list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # row -> q' of each sampled draft
+    status: list[str] = dataclasses.field(default_factory=list)
+    depth: list[int] = dataclasses.field(default_factory=list)  # the looked-up outcome's accepted count (-1: none)
+    resync: list[str] = dataclasses.field(default_factory=list)
+    want: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> drafts it may get (K, or fewer)
+    misses: list[int] = dataclasses.field(default_factory=list)
+    topups: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, drafts to add): hits cut short
+    fast: set[int] = dataclasses.field(default_factory=set)  # misses answered by the n-gram backup (or nothing)
+
+    def __post_init__(self, n: int) -> None:
+        self.drafts = [[] for _ in range(n)]
+        self.status = [NONE] * n
+        self.depth = [-1] * n
 
 
 class SSDDrafter(PreDrafter, SyncDrafter):
@@ -169,15 +189,45 @@ class SSDDrafter(PreDrafter, SyncDrafter):
             self._work.close()  # the generator's `finally` caches what was drafted so far
             self._work = None
 
-    def _timed_forward(self, chunks, num_logits=1) -> torch.Tensor:
+    def _forward(self, chunks, num_logits=1) -> torch.Tensor:
+        """A timed forward: the planner's cost model learns from every forward the drafter runs."""
         t0 = time.perf_counter()
-        logits = self.runner.forward(chunks, num_logits=num_logits)
+        logits = super()._forward(chunks, num_logits=num_logits)
         self.planner.record_forward(sum(len(c[1]) for c in chunks), time.perf_counter() - t0)
-        return logits[:, : self.vocab_size]
+        return logits
 
     # ---- the answer ---------------------------------------------------------------------------------
     def step(self, req: StepRequest) -> StepResponse:
         t0 = time.perf_counter()
+        stats, ran_branches = self._close_round(req)
+        self._begin_step(req)
+        ans = _Answer(len(req.rows))
+        for i, row in enumerate(req.rows):
+            self._answer_row(i, row, ans)
+        if stats.verify_s > 0 and NEW not in ans.status and req.rows:
+            self.planner.measure_rate(sum(len(r.new_tokens) for r, x in zip(req.rows, ans.status) if x in (HIT, JIT)),
+                                      stats.verify_s)
+        jit_rows = self._back_up(req, ans, stats)
+        for i in self._end_step(ans.drafts):
+            ans.status[i] = NO_ROOM
+        probs_slot, probs_rows = self._publish_probs(req, ans.drafts, ans.probs)
+        self._send_rounds(req, ans, stats)
+        stats.alpha = self.predictor.neural.alpha
+        looked_up = [x for x in ans.status if x in (HIT, JIT, NGRAM)]
+        self.planner.end_step(time.perf_counter() - t0, sum(1 + len(d) for d in ans.drafts), looked_up.count(HIT),
+                              len(looked_up), jit=bool(jit_rows), all_hit=not jit_rows and HIT in ans.status,
+                              ran_branches=ran_branches)
+        resp = StepResponse(req.step, ans.drafts, {}, time.perf_counter() - t0, ans.resync,
+                            live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
+                            row_status=ans.status, row_depth=ans.depth, ssd=dataclasses.asdict(stats),
+                            probs_slot=probs_slot, probs_rows=probs_rows)
+        self._predraft = SSDStats()
+        return resp
+
+    def _close_round(self, req: StepRequest) -> tuple[SSDStats, bool]:
+        """The request ends the round: measure it (verification, lateness), choose this step's depth, and
+        stop the pre-draft (finishing it first with `finish_predraft`). Returns the round's figures and
+        whether its branch steps ran."""
         stats = self._predraft
         stats.predraft_done = self._work is None
         ran_branches = bool(stats.budget) and not stats.skipped
@@ -190,111 +240,107 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         stats.cut_short = self._work is not None
         self._stop_predraft()
         stats.branches = len(self.cache)
-        self._begin_step(req)
+        return stats, ran_branches
 
-        n = len(req.rows)
-        drafts: list[list[int]] = [[] for _ in range(n)]
-        probs: dict[int, list[torch.Tensor]] = {}  # row -> q of each of its sampled drafts ([vocab] each)
-        status = [NONE] * n
-        depth = [-1] * n
-        resync: list[str] = []
-        topups: list[tuple[int, int]] = []  # (row, drafts still to add) for hits cut short
-        misses: list[int] = []
-        want: dict[int, int] = {}  # row -> drafts it may get (K, fewer near max_model_len or a full cache)
-        for i, row in enumerate(req.rows):
-            st = self.reqs.get(row.req_id)
-            sent = self._sent.pop(row.req_id, None)
-            branch = None
-            if st is not None and sent is not None:
-                had_branches = bool(self.cache.outcomes(row.req_id))
-                outcome, branch = self.cache.lookup(row.req_id, row.start, row.new_tokens)
-                status[i] = JIT  # a miss until proven otherwise; the backup kind is set below
-                if outcome is not None:
-                    depth[i] = outcome.accepted
-                    self.predictor.observe(outcome.accepted, len(sent.drafts), fast_backup=sent.fast)
-                    if sent.fast:
-                        self.predictor.ngram_tokens.observe(outcome.accepted + 1)
-                        self.predictor.ngram_matched.observe(outcome.accepted + 1)
-                    if sent.ranked is not None and not sent.fast:
-                        ranked = sent.ranked[outcome.accepted]
-                        self.planner.ranks.observe(ranked.index(outcome.bonus) if outcome.bonus in ranked else MAX_RANK)
-                    if self.scale_choice is not None and sent.scale is not None and had_branches:
-                        self.scale_choice.observe(st.sampling.temperature, sent.scale, outcome.accepted + 1,
-                                                  missed=branch is None)
-            else:
-                self.cache.drop(row.req_id)
-                status[i] = NEW
-            if branch is not None:  # (lookup matched the position: row.start == len(st.context))
-                status[i] = HIT
-                self.runner.adopt(branch.seq_id, row.req_id)
-                st.context.extend(row.new_tokens)
-                toks = list(branch.tokens)
-                want[i] = self._draft_limit(row, st)
-                if want[i] <= 0:  # at max_model_len, or a context the cache cannot hold (its KV is gone)
-                    self._evict(row.req_id)
-                    continue
-                keep = min(len(toks), want[i])
-                drafts[i] = toks[:keep]
-                st.drafted = toks[: max(keep - 1, 0)]
-                st.draft_logits = list(branch.logit_rows[:keep])
-                if self.runner.num_computed(row.req_id) > len(st.context) + len(st.drafted):
-                    self.runner.truncate(row.req_id, len(st.context) + len(st.drafted))
-                if branch.prob_rows and keep:
-                    probs[i] = list(branch.prob_rows[:keep])
-                if keep < want[i]:
-                    topups.append((i, want[i] - keep))
-                continue
-            st = self._update(row)
-            if st is None:
-                resync.append(row.req_id)
-                status[i] = NONE
-                continue
-            if row.num_drafts <= 0 or not st.context:
-                status[i] = NONE
-                continue
-            want[i] = self._draft_limit(row, st)
-            if want[i] <= 0:
-                status[i] = NONE
-                continue
-            misses.append(i)
+    def _answer_row(self, i: int, row, ans: _Answer) -> None:
+        """Row i's lookup: a hit takes its branch (KV adopted; a branch cut short becomes a top-up
+        candidate), a miss becomes a backup candidate; the outcome feeds the predictor, ranks and C choice."""
+        st = self.reqs.get(row.req_id)
+        sent = self._sent.pop(row.req_id, None)
+        branch = None
+        if st is not None and sent is not None:
+            had_branches = bool(self.cache.outcomes(row.req_id))
+            outcome, branch = self.cache.lookup(row.req_id, row.start, row.new_tokens)
+            ans.status[i] = JIT  # a miss until proven otherwise; the backup kind is set later
+            if outcome is not None:
+                ans.depth[i] = outcome.accepted
+                self._observe(st, sent, outcome, missed=branch is None, had_branches=had_branches)
+        else:
+            self.cache.drop(row.req_id)
+            ans.status[i] = NEW
+        if branch is not None:  # (lookup matched the position: row.start == len(st.context))
+            ans.status[i] = HIT
+            self.runner.adopt(branch.seq_id, row.req_id)
+            st.context.extend(row.new_tokens)
+            toks = list(branch.tokens)
+            ans.want[i] = self._draft_limit(row, st)
+            if ans.want[i] <= 0:  # at max_model_len, or a context the cache cannot hold (its KV is gone)
+                self._evict(row.req_id)
+                return
+            keep = min(len(toks), ans.want[i])
+            ans.drafts[i] = toks[:keep]
+            st.drafted = toks[: max(keep - 1, 0)]
+            st.draft_logits = list(branch.logit_rows[:keep])
+            if self.runner.num_computed(row.req_id) > len(st.context) + len(st.drafted):
+                self.runner.truncate(row.req_id, len(st.context) + len(st.drafted))
+            if branch.prob_rows and keep:
+                ans.probs[i] = list(branch.prob_rows[:keep])
+            if keep < ans.want[i]:
+                ans.topups.append((i, ans.want[i] - keep))
+            return
+        st = self._update(row)
+        if st is None:
+            ans.resync.append(row.req_id)
+            ans.status[i] = NONE
+            return
+        if row.num_drafts <= 0 or not st.context:
+            ans.status[i] = NONE
+            return
+        ans.want[i] = self._draft_limit(row, st)
+        if ans.want[i] <= 0:
+            ans.status[i] = NONE
+            return
+        ans.misses.append(i)
 
-        if stats.verify_s > 0 and NEW not in status and req.rows:
-            self.planner.measure_rate(sum(len(r.new_tokens) for r, x in zip(req.rows, status) if x in (HIT, JIT)),
-                                      stats.verify_s)
-        ngram = ({i: ngram_drafts(self.reqs[req.rows[i].req_id].context, want[i]) for i in misses}
+    def _observe(self, st: _ReqState, sent: _Sent, outcome, missed: bool, had_branches: bool) -> None:
+        """A verified outcome of the drafts `sent`: acceptance (neural or n-gram), the bonus token's rank
+        among the candidates, and the C the drafts were sampled with."""
+        self.predictor.observe(outcome.accepted, len(sent.drafts), fast_backup=sent.fast)
+        if sent.fast:
+            self.predictor.ngram_tokens.observe(outcome.accepted + 1)
+            self.predictor.ngram_matched.observe(outcome.accepted + 1)
+        if sent.ranked is not None and not sent.fast:
+            ranked = sent.ranked[outcome.accepted]
+            self.planner.ranks.observe(ranked.index(outcome.bonus) if outcome.bonus in ranked else MAX_RANK)
+        if self.scale_choice is not None and sent.scale is not None and had_branches:
+            self.scale_choice.observe(st.sampling.temperature, sent.scale, outcome.accepted + 1, missed=missed)
+
+    def _back_up(self, req: StepRequest, ans: _Answer, stats: SSDStats) -> list[int]:
+        """Misses and cut-short hits: those worth it are drafted now (jit, top-ups; `_choose_draft_now`),
+        the other misses get their n-gram drafts or none. Returns the jit rows."""
+        ngram = ({i: ngram_drafts(self.reqs[req.rows[i].req_id].context, ans.want[i]) for i in ans.misses}
                  if self.planner.needs_ngram_drafts() else {})
-        now = set(self._choose_draft_now(req, status, drafts, misses, topups, ngram, want))
-        jit_rows = [i for i in misses if i in now]
-        topups = [(i, more) for i, more in topups if i in now]
-        stats.backup = "+".join(k for k, rows in ((JIT, jit_rows), (NGRAM, set(misses) - now)) if rows)
-        for i in misses:
-            if i in now:
-                continue
+        now = set(self._choose_draft_now(req, ans.status, ans.drafts, ans.misses, ans.topups, ngram, ans.want))
+        jit_rows = [i for i in ans.misses if i in now]
+        topups = [(i, more) for i, more in ans.topups if i in now]
+        ans.fast = set(ans.misses) - now
+        stats.backup = "+".join(k for k, rows in ((JIT, jit_rows), (NGRAM, ans.fast)) if rows)
+        for i in ans.fast:
             st = self.reqs[req.rows[i].req_id]
-            drafts[i] = ngram.get(i, [])
-            if not drafts[i]:  # no earlier occurrence: this verification yields the bonus token alone
+            ans.drafts[i] = ngram.get(i, [])
+            if not ans.drafts[i]:  # no earlier occurrence: this verification yields the bonus token alone
                 self.predictor.ngram_tokens.observe(1)
             st.drafted, st.draft_logits = [], []
-            status[i] = NGRAM if status[i] == JIT else status[i]
+            ans.status[i] = NGRAM if ans.status[i] == JIT else ans.status[i]
         stats.topups = len(topups)
-        self._draft_now(req, drafts, probs, topups, jit_rows, want)
-        for i in self._end_step(drafts):
-            status[i] = NO_ROOM
-        probs_slot, probs_rows = self._publish_probs(req, drafts, probs)
+        self._draft_now(req, ans.drafts, ans.probs, topups, jit_rows, ans.want)
+        return jit_rows
 
+    def _send_rounds(self, req: StepRequest, ans: _Answer, stats: SSDStats) -> None:
+        """Every row with drafts starts a round (what the next lookup is against) and the pre-draft for
+        them is queued; sampled rows note their C, and with `sampling_scale: "auto"` choose the next one."""
         roots = []
-        fast_rows = set(misses) - now
         for i, row in enumerate(req.rows):
-            if not drafts[i]:
+            if not ans.drafts[i]:
                 continue
             st = self.reqs[row.req_id]
-            fast = i in fast_rows
-            sent = _Sent(len(st.context), list(drafts[i]), fast)
-            if i in probs and not fast:  # sampled drafts: the C they were drafted with, then the next round's
+            fast = i in ans.fast
+            sent = _Sent(len(st.context), list(ans.drafts[i]), fast)
+            if i in ans.probs and not fast:  # sampled drafts: the C they were drafted with, then the next round's
                 sent.scale = self._scale_of(st)
-                stats.sampled_drafts += len(drafts[i])
-                stats.scaled_drafts += len(drafts[i]) if sent.scale < 1.0 else 0
-                stats.scale_sum += sent.scale * len(drafts[i])
+                stats.sampled_drafts += len(ans.drafts[i])
+                stats.scaled_drafts += len(ans.drafts[i]) if sent.scale < 1.0 else 0
+                stats.scale_sum += sent.scale * len(ans.drafts[i])
                 if self.scale_choice is not None:
                     st.scale = self._next_scale(st)
             sent.round_id = self.cache.start_round(row.req_id, sent.context_len, sent.drafts)
@@ -302,17 +348,6 @@ class SSDDrafter(PreDrafter, SyncDrafter):
             roots.append(row.req_id)
         if roots:
             self._work = self._predraft_rounds(roots)
-        stats.alpha = self.predictor.neural.alpha
-        looked_up = [x for x in status if x in (HIT, JIT, NGRAM)]
-        self.planner.end_step(time.perf_counter() - t0, sum(1 + len(d) for d in drafts), looked_up.count(HIT),
-                              len(looked_up), jit=bool(jit_rows), all_hit=not jit_rows and HIT in status,
-                              ran_branches=ran_branches)
-        resp = StepResponse(req.step, drafts, {}, time.perf_counter() - t0, resync,
-                            live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
-                            row_status=status, row_depth=depth, ssd=dataclasses.asdict(stats),
-                            probs_slot=probs_slot, probs_rows=probs_rows)
-        self._predraft = SSDStats()
-        return resp
 
     def _draft_limit(self, row, st) -> int:
         """K (fewer near the limits, see SyncDrafter), or this step's depth with `depth: "auto"`."""
@@ -355,79 +390,29 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         jobs: dict[int, int] = {}  # row -> drafts still wanted
         chunks = []
         for i in jit_rows:
-            row = req.rows[i]
-            st = self.reqs[row.req_id]
-            if not self.runner.has_request(row.req_id):
-                self.runner.add_request(row.req_id)
-            start = min(self.runner.num_computed(row.req_id), len(st.context) - 1)
-            self.runner.truncate(row.req_id, start)
-            st.drafted, st.draft_logits = [], []
-            chunks.append((row.req_id, st.context[start:], start))
+            chunks.append(self._context_chunk(req.rows[i].req_id, self.reqs[req.rows[i].req_id]))
             jobs[i] = want[i]
-        for i, more in topups:
+        for i, more in topups:  # fed: the branch's last token (its KV is not written yet)
             rid = req.rows[i].req_id
-            st = self.reqs[rid]
-            last = drafts[i][-1]
-            chunks.append((rid, [last], self.runner.num_computed(rid)))
+            chunks.append((rid, [drafts[i][-1]], self.runner.num_computed(rid)))
             jobs[i] = more
         order = list(jit_rows) + [i for i, _ in topups]
-        order, chunks = self._fit(req.rows, order, chunks, evict=True, evictable=set(jit_rows))
-        while chunks:
-            logits = self._timed_forward(chunks)
-            next_order, next_chunks = [], []
-            for i, (rid, toks, _), lg in zip(order, chunks, logits, strict=True):
-                st = self.reqs[rid]
-                if drafts[i]:  # the fed token now has KV (a top-up's last branch token, or a draft)
-                    if len(st.drafted) < len(drafts[i]):
-                        st.drafted.append(drafts[i][-1])
-                tok, q = self._choose_token(st, lg, depth=len(drafts[i]))
-                drafts[i].append(tok)
-                st.draft_logits.append(lg)
-                if q is not None:
-                    probs.setdefault(i, []).append(q)
-                jobs[i] -= 1
-                if jobs[i] > 0:
-                    next_order.append(i)
-                    next_chunks.append((rid, [tok], self.runner.num_computed(rid)))
-            order, chunks = self._fit(req.rows, next_order, next_chunks)
-
-    def _choose_token(self, st: _ReqState, logits: torch.Tensor, depth: int) -> tuple[int, torch.Tensor | None]:
-        if st.sampling.greedy:
-            return int(logits.argmax()), None
-        toks, q = self._sample(st, logits[None], depth)
-        return int(toks[0]), q[0]
-
-    def _publish_probs(self, req: StepRequest, drafts: list[list[int]],
-                       probs: dict[int, list[torch.Tensor]]) -> tuple[int, list[int]]:
-        """Copy the sampled rows' q into a proposal-ring slot (bitwise: the q their tokens were drawn from);
-        without a free slot those rows get no drafts this step (exact, just slower)."""
-        rows = [i for i, p in probs.items() if p and drafts[i]]
-        if not rows:
-            return -1, []
-        writer = SlotWriter(self.probs_ring, req.step)
-        if not writer.available:
-            for i in rows:
-                self._no_probs_slot(req.rows[i].req_id)
-                drafts[i] = []
-            return -1, []
-        try:
-            for i in rows:
-                writer.put(i, probs[i][: len(drafts[i])])
-        except BaseException:
-            writer.abandon()
-            raise
-        return writer.finish()
+        self._draft_chains(req, order, chunks, jobs, drafts, probs, evictable=set(jit_rows))
 
     def _sample(self, st: _ReqState, logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Saguaro sampling: q' = the request's proposal with its top-F probabilities scaled by C."""
-        spec = st.sampling
+        """Sampled drafts for rows of one request at one depth (e.g. its branches' next tokens)."""
+        f, c = self._scaling(st, depth)
+        n = logits.shape[0]
+        return sample_proposals(logits, [st.sampling] * n, [st.generator] * n, f, c)
+
+    def _scaling(self, st: _ReqState, depth: int) -> tuple[int, float]:
+        """Saguaro sampling: the top-F probabilities of the request's proposal scaled by C, F = the fan-out
+        at the draft's depth (+1 with `sampling_scale_tokens: "fanout+1"`); (0, 1.0) when C is 1."""
         c = self._scale_of(st)
         f = self._fanout[depth] if c < 1.0 and depth < len(self._fanout) else 0
         if f and self.opts.get("sampling_scale_tokens") == "fanout+1":
             f += 1
-        gumbel = draw_gumbel(logits.shape[0], logits.shape[1], [st.generator] * logits.shape[0],
-                             device=logits.device)
-        return sample_proposal(logits, gumbel, spec.temperature, spec.top_k, spec.top_p, f, c)
+        return f, c
 
     def _scale_of(self, st: _ReqState) -> float:
         """The C this request drafts with now: the configured one, or its round's arm with `"auto"`."""

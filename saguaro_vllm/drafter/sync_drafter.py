@@ -17,7 +17,7 @@ import torch
 from saguaro_vllm.drafter.kv_cache import OutOfBlocksError
 from saguaro_vllm.drafter.room import NoRoomLog
 from saguaro_vllm.drafter.runner import DraftModelRunner
-from saguaro_vllm.drafter.sampling import proposal_probs_rows, request_generator, sample_rows
+from saguaro_vllm.drafter.sampling import request_generator, sample_proposals
 from saguaro_vllm.proposal_buffers import ProposalRing, SlotWriter
 from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest, StepResponse
 
@@ -132,7 +132,7 @@ class SyncDrafter:
             return None
         if st is None:
             spec = row.sampling or SamplingSpec()
-            gen = None if spec.greedy else request_generator(spec.seed, self.runner.device)
+            gen = None if spec.greedy else request_generator(spec.seed)
             st = self.reqs[row.req_id] = _ReqState(spec, gen)
         old_len = len(st.context)
         st.context.extend(row.new_tokens)
@@ -179,8 +179,8 @@ class SyncDrafter:
         t0 = time.perf_counter()
         self._begin_step(req)
         drafts: list[list[int]] = [[] for _ in req.rows]
-        want: dict[int, int] = {}
-        active: list[int] = []
+        jobs: dict[int, int] = {}  # row -> drafts it gets (K, fewer near the limits)
+        order: list[int] = []
         chunks = []
         resync: list[str] = []
         for i, row in enumerate(req.rows):
@@ -190,67 +190,111 @@ class SyncDrafter:
                 continue
             if row.num_drafts <= 0 or not st.context:
                 continue
-            want[i] = self._draft_limit(row, st)
-            if want[i] <= 0:
+            k = self._draft_limit(row, st)
+            if k <= 0:
                 continue
             if not st.sampling.greedy and not writer.available:
                 self._no_probs_slot(row.req_id)
                 continue
-            if not self.runner.has_request(row.req_id):
-                self.runner.add_request(row.req_id)
-            start = min(self.runner.num_computed(row.req_id), len(st.context) - 1)
-            self.runner.truncate(row.req_id, start)
-            chunks.append((row.req_id, st.context[start:], start))
-            active.append(i)
-        active, chunks = self._fit(req.rows, active, chunks, evict=True)
-        k_max = max((want[i] for i in active), default=0)
-        for s in range(k_max):
-            if not chunks:
-                break
-            logits = self.runner.forward(chunks)[:, : self.vocab_size]
-            next_chunks, next_active = [], []
-            tokens = self._choose_rows(req, active, logits, s, writer)
-            for row_i, (rid, _, start), lg, tok in zip(active, chunks, logits, tokens):
-                st = self.reqs[req.rows[row_i].req_id]
-                drafts[row_i].append(tok)
-                if self.keep_logits:
-                    st.draft_logits.append(lg)
-                if s + 1 < want[row_i]:
-                    st.drafted.append(tok)
-                    next_chunks.append((rid, [tok], self.runner.num_computed(rid)))
-                    next_active.append(row_i)
-            active, chunks = self._fit(req.rows, next_active, next_chunks)
+            chunks.append(self._context_chunk(row.req_id, st))
+            order.append(i)
+            jobs[i] = k
+        probs: dict[int, list[torch.Tensor]] = {}
+        self._draft_chains(req, order, chunks, jobs, drafts, probs)
         no_room = set(self._end_step(drafts))
         status = [NO_ROOM if i in no_room else DRAFTED if drafts[i] else NONE for i in range(len(req.rows))]
-        probs_slot, probs_rows = writer.finish()
+        probs_slot, probs_rows = self._publish_probs(req, drafts, probs, writer)
         return StepResponse(req.step, drafts, {}, time.perf_counter() - t0, resync,
                             live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
                             row_status=status, probs_slot=probs_slot, probs_rows=probs_rows)
 
-    def _choose_rows(self, req: StepRequest, active: list[int], logits: torch.Tensor, pos: int,
-                     writer: SlotWriter) -> list[int]:
-        """The next draft of every active row: argmax for greedy rows; for sampled rows q is computed
-        straight into position `pos` of their slot rows (batched over rows) and the token drawn from there,
-        so the proposer receives the very floats the token was drawn from."""
-        tokens = logits.argmax(dim=-1)
-        states = [self.reqs[req.rows[i].req_id] for i in active]
+    # ---- the K-step drafting loop (both modes) ------------------------------------------------------
+    def _context_chunk(self, req_id: str, st: _ReqState) -> tuple[str, list[int], int]:
+        """The chunk that feeds a request's context from its first token without KV (at least the last
+        one, whose logits give the first draft); its earlier drafts' KV is dropped."""
+        if not self.runner.has_request(req_id):
+            self.runner.add_request(req_id)
+        start = min(self.runner.num_computed(req_id), len(st.context) - 1)
+        self.runner.truncate(req_id, start)
+        st.drafted, st.draft_logits = [], []
+        return req_id, st.context[start:], start
+
+    def _draft_chains(self, req: StepRequest, order: list[int], chunks: list, jobs: dict[int, int],
+                      drafts: list[list[int]], probs: dict[int, list[torch.Tensor]],
+                      evictable: set[int] | None = None) -> None:
+        """Draft `jobs[row]` more tokens for each row of `order`, one batched forward per position: feed
+        each row's chunk (its context, or its last draft), choose its next draft (`_choose`), feed that.
+        A fed draft has KV afterwards (it joins `st.drafted`); sampled drafts' q' go to `probs[row]`. Rows
+        the KV cache cannot hold stop early (`_fit`; with `evictable`, only those rows let go of their KV)."""
+        order, chunks = self._fit(req.rows, order, chunks, evict=True, evictable=evictable)
+        while chunks:
+            logits = self._forward(chunks)
+            tokens, qs = self._choose([c[0] for c in chunks], logits, [len(drafts[i]) for i in order])
+            next_order, next_chunks = [], []
+            for n, (i, (rid, _, _)) in enumerate(zip(order, chunks, strict=True)):
+                st = self.reqs[rid]
+                if drafts[i] and len(st.drafted) < len(drafts[i]):
+                    st.drafted.append(drafts[i][-1])  # the fed draft has KV now
+                drafts[i].append(tokens[n])
+                if self.keep_logits:
+                    st.draft_logits.append(logits[n])
+                if qs[n] is not None:
+                    probs.setdefault(i, []).append(qs[n])
+                jobs[i] -= 1
+                if jobs[i] > 0:
+                    next_order.append(i)
+                    next_chunks.append((rid, [tokens[n]], self.runner.num_computed(rid)))
+            order, chunks = self._fit(req.rows, next_order, next_chunks)
+
+    def _forward(self, chunks, num_logits=1) -> torch.Tensor:
+        return self.runner.forward(chunks, num_logits=num_logits)[:, : self.vocab_size]
+
+    def _choose(self, req_ids: list[str], logits: torch.Tensor, depths: list[int]
+                ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Each row's next draft and the q' it was drawn from: the argmax (q' None) for greedy requests; for
+        sampled ones one batched `sample_proposals` call, with Saguaro's F and C per row (`_scaling`) at
+        the draft's depth."""
+        tokens = logits.argmax(dim=-1).tolist()
+        qs: list[torch.Tensor | None] = [None] * len(req_ids)
+        states = [self.reqs[rid] for rid in req_ids]
         sampled = [n for n, st in enumerate(states) if not st.sampling.greedy]
         if not sampled:
-            return tokens.tolist()
-        slot_rows = [writer.row_of(active[n]) for n in sampled]
-        buf = writer.buffer()
-        first, last = slot_rows[0], slot_rows[-1]
-        contiguous = last - first + 1 == len(slot_rows)  # rows keep their order; only finished rows drop out
-        in_place = contiguous and buf.device == logits.device
-        q = buf[first: last + 1, pos] if in_place else torch.empty(len(sampled), logits.shape[1],
-                                                                   dtype=buf.dtype, device=logits.device)
-        lg = logits if len(sampled) == len(active) else logits[torch.tensor(sampled, device=logits.device)]
-        proposal_probs_rows(lg, [states[n].sampling for n in sampled], out=q)
-        drawn = sample_rows(q, [states[n].generator for n in sampled])
-        if not in_place:  # a bitwise copy of the q the tokens were drawn from
-            buf[torch.tensor(slot_rows), pos] = q.to(buf.device)
-        tokens[torch.tensor(sampled, device=tokens.device)] = drawn.to(tokens.device)
-        return tokens.tolist()
+            return tokens, qs
+        scaling = [self._scaling(states[n], depths[n]) for n in sampled]
+        lg = logits if len(sampled) == len(states) else logits[torch.tensor(sampled, device=logits.device)]
+        drawn, q = sample_proposals(lg, [states[n].sampling for n in sampled],
+                                    [states[n].generator for n in sampled],
+                                    [f for f, _ in scaling], [c for _, c in scaling])
+        for n, tok, row in zip(sampled, drawn.tolist(), q, strict=True):
+            tokens[n], qs[n] = tok, row
+        return tokens, qs
+
+    def _scaling(self, st: _ReqState, depth: int) -> tuple[int, float]:
+        """Saguaro sampling's (F, C) for a request's draft at `depth`: none in `mode: sync`."""
+        return 0, 1.0
+
+    def _publish_probs(self, req: StepRequest, drafts: list[list[int]], probs: dict[int, list[torch.Tensor]],
+                       writer: SlotWriter | None = None) -> tuple[int, list[int]]:
+        """Copy the sampled rows' q' into a proposal-ring slot (`writer`'s, or a new one; bitwise: the q'
+        their tokens were drawn from); without a free slot those rows get no drafts this step (exact, just
+        slower)."""
+        rows = [i for i, p in probs.items() if p and drafts[i]]
+        if writer is None:
+            if not rows:
+                return -1, []
+            writer = SlotWriter(self.probs_ring, req.step)
+        if rows and not writer.available:
+            for i in rows:
+                self._no_probs_slot(req.rows[i].req_id)
+                drafts[i] = []
+            return -1, []
+        try:
+            for i in rows:
+                writer.put(i, probs[i][: len(drafts[i])])
+        except BaseException:
+            writer.abandon()
+            raise
+        return writer.finish()
 
     def _no_probs_slot(self, req_id: str) -> None:
         self.num_no_probs_slot += 1

@@ -192,9 +192,8 @@ def _register_fakes() -> None:
         return (scores.new_empty((b, k1, max_fanout), dtype=torch.int64),
                 scores.new_empty((b, k1, max_fanout), dtype=torch.float32))
 
-    @lib.register_fake("saguaro::sample_proposal")
-    def _sample_proposal(logits, gumbel, temperature, top_k, top_p, saguaro_f, log_c):
-        return (logits.new_empty((logits.shape[0],), dtype=torch.int64),
-                logits.new_empty(logits.shape, dtype=torch.float32))
+    @lib.register_fake("saguaro::proposal_probs")
+    def _proposal_probs(logits, temperature, top_k, top_p, saguaro_f, log_c):
+        return logits.new_empty(logits.shape, dtype=torch.float32)
 
     _fakes_registered = True

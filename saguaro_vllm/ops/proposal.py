@@ -1,38 +1,17 @@
-"""The draft's proposal q' and sampling from it, batched over rows (design: ssd-algorithm.md §6).
+"""The draft's proposal q', batched over rows with per-row parameters (design: ssd-algorithm.md §6).
 
 q' = the request's temperature / top-k / top-p distribution with its top-F probabilities multiplied by C
-(Saguaro sampling), renormalised. Tokens are drawn by Gumbel-max with noise the caller draws from each
-request's own generator (`draw_gumbel`), so every implementation returns the same tokens for the same
-noise, and the verifier receives exactly the q' each token was drawn from. Exact semantics (ties, top-p at
-equal values, C = 0): `reference.sample_proposal`.
+(Saguaro sampling), renormalised. The op only computes q'; the drafter draws each token from the very
+floats it returns (`drafter/sampling.py`), which is what the verifier receives, so exactness does not depend
+on the implementations agreeing bit for bit. Exact semantics (ties, top-p at equal values, C = 0):
+`reference.proposal_probs`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from saguaro_vllm.ops import loader, reference
-
-
-def draw_gumbel(
-    num_rows: int,
-    vocab_size: int,
-    generators: Sequence[torch.Generator | None] | None = None,
-    device: torch.device | str = "cpu",
-) -> torch.Tensor:
-    """[num_rows, vocab] float32 Gumbel(0, 1) noise, row i from `generators[i]` (None: the global RNG)."""
-    noise = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device)
-    i = 0
-    while i < num_rows:  # one draw per run of rows sharing a generator (e.g. one request's branches)
-        gen = generators[i] if generators is not None else None
-        j = i + 1
-        while j < num_rows and (generators[j] if generators is not None else None) is gen:
-            j += 1
-        noise[i:j].exponential_(1.0, generator=gen)
-        i = j
-    return noise.log_().neg_()
 
 
 def _per_row(value, n: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -41,17 +20,16 @@ def _per_row(value, n: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.full((n,), value, dtype=dtype, device=device)
 
 
-def sample_proposal(
+def proposal_probs(
     logits: torch.Tensor,
-    gumbel: torch.Tensor,
     temperature: torch.Tensor | float,
     top_k: torch.Tensor | int = 0,
     top_p: torch.Tensor | float = 1.0,
     saguaro_f: torch.Tensor | int = 0,
     saguaro_c: torch.Tensor | float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`logits` [n, V] -> (tokens [n] int64, q' [n, V] float32). Per-row parameters are tensors [n] or
-    scalars; temperature <= 0 means greedy (argmax, one-hot q'). `saguaro_c` must lie in [0, 1]."""
+) -> torch.Tensor:
+    """`logits` [n, V] -> q' [n, V] float32. Per-row parameters are tensors [n] or scalars; temperature <= 0
+    means greedy (one-hot q'). `saguaro_c` must lie in [0, 1]."""
     n, dev = logits.shape[0], logits.device
     c = _per_row(saguaro_c, n, torch.float32, dev)
     if bool(((c < 0) | (c > 1)).any()):
@@ -64,5 +42,5 @@ def sample_proposal(
         torch.log(c),  # computed once here so every implementation uses the same bits
     )
     if loader.use_compiled(dev):
-        return torch.ops.saguaro.sample_proposal(logits, gumbel, *args)
-    return reference.sample_proposal(logits, gumbel, *args)
+        return torch.ops.saguaro.proposal_probs(logits, *args)
+    return reference.proposal_probs(logits, *args)

@@ -95,22 +95,19 @@ def select_candidates(
     return tokens, values
 
 
-def sample_proposal(
+def proposal_probs(
     logits: torch.Tensor,  # [n, V]
-    gumbel: torch.Tensor,  # [n, V] float32 Gumbel(0, 1) noise: -log(E), E ~ Exp(1)
-    temperature: torch.Tensor,  # [n]; <= 0: greedy (argmax, one-hot proposal)
+    temperature: torch.Tensor,  # [n]; <= 0: greedy (one-hot at the argmax)
     top_k: torch.Tensor,  # [n] int; <= 0 or >= V: off. Tie-inclusive (keeps every z >= the k-th largest)
     top_p: torch.Tensor,  # [n]; >= 1: off. Keeps v iff the mass of tokens with larger z is < top_p
     saguaro_f: torch.Tensor,  # [n] int: F, the number of top tokens (in order) scaled by C
     log_c: torch.Tensor,  # [n] float32: log C, C in [0, 1]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Proposal q' and one draw from it; returns tokens [n] int64 and q' [n, V] float32.
+) -> torch.Tensor:
+    """The proposal q' [n, V] float32.
 
     z = logits / T. q = softmax(z) over the tokens kept by top-k then top-p (top-p measured on the top-k
     renormalised distribution). q' = q with the first F tokens (in order) multiplied by C, renormalised; when
-    C = 0 and every kept token is among them, q' = q. The draw is Gumbel-max on the same quantities:
-    argmax over kept v of ((z_v + log C if v in top-F else z_v) + gumbel_v), ties to the lower index, so
-    kernels given the same noise return the same tokens (the keys use only IEEE division and addition).
+    C = 0 and every kept token is among them, q' = q. Greedy rows are one-hot at the argmax.
     """
     n, vocab = logits.shape
     x = logits.float()
@@ -139,12 +136,5 @@ def sample_proposal(
     lc = torch.where((lc == float("-inf")) & (kept.sum(-1) <= f), 0.0, lc)
     w = torch.where(topf, e * torch.exp(lc)[:, None], e)
     probs = w / w.sum(-1, keepdim=True)
-    key = torch.where(topf, z + lc[:, None], z) + gumbel.float()
-    key = key.masked_fill(~kept, float("-inf"))
-    tokens = key.argmax(-1)
-    # Greedy rows.
-    g_tok = x.argmax(-1)
-    tokens = torch.where(greedy, g_tok, tokens)
-    one_hot = F.one_hot(g_tok, vocab).float()
-    probs = torch.where(greedy[:, None], one_hot, probs)
-    return tokens, probs
+    one_hot = F.one_hot(x.argmax(-1), vocab).float()
+    return torch.where(greedy[:, None], one_hot, probs)
