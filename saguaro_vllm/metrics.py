@@ -68,6 +68,9 @@ def _prometheus() -> dict:
                 "vllm:saguaro_draft_depth",
                 "Drafts per row the drafter allowed in the last step (mode async, depth auto).",
                 multiprocess_mode="livemax"),
+            "depth_steps": prometheus_client.Counter(
+                "vllm:saguaro_depth_steps",
+                "Steps answered at each allowed depth (mode async, depth auto).", labelnames=["depth"]),
             "predraft": prometheus_client.Histogram(
                 "vllm:saguaro_predraft_seconds",
                 "Drafter time spent pre-drafting one round (mode async); compare with verify_seconds.",
@@ -236,6 +239,7 @@ class SaguaroMetrics:
             self.depth = int(ssd["depth"])
             if prom:
                 prom["depth"].set(self.depth)
+                prom["depth_steps"].labels(depth=str(self.depth)).inc()
         if ssd.get("cut_short"):
             self.cut_short += 1
             if prom:

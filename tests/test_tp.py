@@ -4,7 +4,8 @@ Every TP rank runs vLLM's rejection sampler itself, but only rank 0 has Saguaro'
 `patches/tp_sampling.py` makes rank 0's result the one all ranks keep. Checked here with real engines
 (two worker processes, `mp` executor, ranks bound `0|1`, the drafter sharing a core: `share_cores`):
 - greedy output equals the non-speculative engine's, with drafts accepted;
-- the T=1 output distribution equals plain TP=1 vLLM's, for `sync` and `async`, with rejections;
+- the T=1 output distribution equals plain TP=1 vLLM's, for `sync` and `async` (with `depth: "auto"`, so
+  rows get different draft lengths step by step), with rejections;
 - after T=1 runs (unseeded and seeded) every rank holds the same committed tokens for every request, and
   they are what the engine returned. (Without the patch every sampled request differs between ranks.)
 The tiny models' vocabulary (24 tokens) lies in rank 0's embedding shard, so a rank that keeps other tokens
@@ -41,9 +42,9 @@ def plain(pair):
     return runs
 
 
-def _saguaro_tp2(pair, mode: str, jobs: list[Job], seed: int):
+def _saguaro_tp2(pair, mode: str, jobs: list[Job], seed: int, **options):
     spec = {"method": "saguaro", "model": str(pair[1]), "num_speculative_tokens": K,
-            "saguaro": {"mode": mode, "share_cores": True}}
+            "saguaro": {"mode": mode, "share_cores": True, **options}}
     return run_tp_engine(pair[0], jobs, speculative_config=spec, engine_kwargs=TP2, seed=seed)
 
 
@@ -54,7 +55,7 @@ def sync_tp2(pair):
 
 @pytest.fixture(scope="module")
 def async_tp2(pair):
-    return _saguaro_tp2(pair, "async", [T1, SEEDED], seed=2)
+    return _saguaro_tp2(pair, "async", [T1, SEEDED], seed=2, depth="auto")
 
 
 def test_tp2_greedy_equals_non_speculative_output(plain, sync_tp2):
@@ -72,6 +73,9 @@ def test_tp2_sampling_matches_plain_tp1_distribution(request, plain, mode):
     assert spec.drafts > 0 and 0 < spec.accepted < spec.draft_tokens  # accepts and rejections
     if mode == "async":
         assert runs["t1"].counter("vllm:saguaro_cache_lookups") > 0, runs["t1"].saguaro_delta
+        depths = {k: v for k, v in runs["t1"].saguaro_delta.items()
+                  if k.startswith("vllm:saguaro_depth_steps_total{") and v > 0}
+        assert len(depths) >= 2, depths  # `depth: "auto"` answered steps at more than one depth
 
 
 def _engine_ids(rank0: dict[str, list[int]], request_id: str) -> str:

@@ -6,9 +6,9 @@ outcome "j drafts accepted, bonus token t" becomes one branch: a fork of the req
 tokens, fed t and then its own drafts. One `runner.forward` per step advances all branches of all requests,
 so K steps draft K tokens for every branch.
 
-Each branch is an ordinary sequence (shared prefix blocks, private tail), attended with the plain chain
-attention: its drafts equal those of the same tokens run alone from scratch, by construction and by test.
-The fused op in `saguaro_vllm.ops` (one query per branch, scratch slots) is the fast path to swap in later.
+Each branch is an ordinary sequence (shared prefix blocks, private tail), attended like any chain (the
+runner's one-token-per-sequence forward, through the compiled `decode_attention` op where it is active):
+its drafts equal those of the same tokens run alone from scratch, by construction and by test.
 """
 
 from __future__ import annotations
