@@ -110,7 +110,9 @@ def run_batch(server: VLLMServer, inject=None) -> Batch:
     if inject is not None:
         while min(len(a) for a in arrivals) < FAULT_AFTER_CHUNKS and time.monotonic() < deadline:
             time.sleep(0.005)
-        assert all(t.is_alive() for t in threads), "a stream ended before the fault: lengthen the requests"
+        ended = [i for i, t in enumerate(threads) if not t.is_alive()]
+        assert not ended, (f"streams {ended} ended before the fault (chunks per stream: "
+                           f"{[len(a) for a in arrivals]}; errors: {errors}): lengthen the requests if none failed")
         inject()
     for t in threads:
         t.join(timeout=max(0.0, deadline - time.monotonic()))
