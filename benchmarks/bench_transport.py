@@ -245,6 +245,7 @@ def micro(vocab: int, batch: int, k: int, repeats: int) -> list[dict]:
 
     def after_drafter():  # the drafter's sampler (one batched q' per position), q' copied into a ring slot
         w = SlotWriter(ring, seq=1)
+        assert w.available, "no free ring slot"
         buf = w.buffer()
         for j in range(batch):
             w.row_of(j)
@@ -277,8 +278,7 @@ def micro(vocab: int, batch: int, k: int, repeats: int) -> list[dict]:
     p_ms, _ = cpu_ms(before_proposer, drafts, payload)
     res.append({"path": "before", "vocab": vocab, "batch": batch, "k": k, "drafter_cpu_ms": d_ms,
                 "proposer_cpu_ms": p_ms, "payload_mb": len(payload) / 2**20})
-    d_ms, _ = cpu_ms(after_drafter)
-    ring.release_held()
+    d_ms, _ = cpu_ms(lambda: (after_drafter(), ring.release_held())[0])  # each repeat frees its slot again
     drafts, slot, rows = after_drafter()
     p_ms, _ = cpu_ms(lambda: (ring.header.__setitem__((slot, 0), 2), after_proposer(drafts, slot, rows))[1])
     res.append({"path": "after", "vocab": vocab, "batch": batch, "k": k, "drafter_cpu_ms": d_ms,

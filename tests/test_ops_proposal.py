@@ -76,6 +76,12 @@ def test_unscaled_proposal_is_the_request_distribution(device):
     for t, k, p in ((0.8, 0, 1.0), (1.0, 20, 1.0), (0.6, 0, 0.9), (1.2, 50, 0.7)):
         probs = proposal_probs(logits, t, k, p)
         torch.testing.assert_close(probs, _plain_proposal(logits, t, k, p), atol=1e-6, rtol=1e-5)
+        n = logits.shape[0]  # the torch fast path (no top-k, top-p, scaling) and the kernels: the reference's q'
+        ref = reference.proposal_probs(logits, torch.full((n,), t, device=device), torch.full((n,), k, device=device),
+                                       torch.full((n,), p, device=device), torch.zeros(n, dtype=torch.int64,
+                                                                                       device=device),
+                                       torch.zeros(n, device=device))
+        torch.testing.assert_close(probs, ref, atol=1e-6, rtol=1e-5)
 
 
 def test_saguaro_scaling_worked_example():

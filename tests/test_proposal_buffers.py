@@ -162,7 +162,8 @@ def test_two_processes_never_overwrite_a_held_slot():
 
 def test_batched_proposals_equal_the_per_row_proposals():
     """One `sample_proposals` call over rows with their own temperature, top-k, top-p, F and C gives each
-    row the q' of a call for that row alone, and each row's token from its own generator."""
+    row the q' of a call for that row alone (within fp32 rounding: a row without top-k, top-p or scaling
+    alone takes the torch softmax, the batch the kernel), and each row's token from its own generator."""
     torch.manual_seed(0)
     logits = torch.randn(7, 300) * 4
     specs = [SamplingSpec(temperature=t, top_k=k, top_p=p)
@@ -173,7 +174,7 @@ def test_batched_proposals_equal_the_per_row_proposals():
     tokens, q = sample_proposals(logits, specs, gens, f, c)
     for i, spec in enumerate(specs):
         one_tok, one_q = sample_proposals(logits[i: i + 1], [spec], [torch.Generator().manual_seed(i)], f[i], c[i])
-        torch.testing.assert_close(q[i], one_q[0], rtol=0, atol=1e-7)
+        torch.testing.assert_close(q[i], one_q[0], rtol=1e-5, atol=1e-6)  # fp32 rounding: a lone row may take the torch path
         assert int(tokens[i]) == int(one_tok[0]) and float(q[i, tokens[i]]) > 0
     assert float(q[2].max()) < float(torch.softmax(logits[2], -1).max())  # C = 0.2 on the top 3 took effect
 

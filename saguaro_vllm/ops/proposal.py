@@ -41,6 +41,12 @@ def proposal_probs(
         _per_row(saguaro_f, n, torch.int64, dev),
         torch.log(c),  # computed once here so every implementation uses the same bits
     )
+    t, k, p, f, _ = args
+    vocab = logits.shape[-1]
+    if bool(((t > 0) & ((k <= 0) | (k >= vocab)) & (p >= 1) & ((f <= 0) | (c >= 1))).all()):
+        # No row has top-k, top-p or scaling: q' is the plain softmax, vectorised by torch (the kernels'
+        # per-row passes cost ~4x more at vocab 128k on one CPU thread; benchmarks/notes.md).
+        return torch.softmax(logits.float() / t[:, None], dim=-1)
     if loader.use_compiled(dev):
         return torch.ops.saguaro.proposal_probs(logits, *args)
     return reference.proposal_probs(logits, *args)
