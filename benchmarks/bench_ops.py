@@ -24,6 +24,7 @@ import torch
 
 os.environ.setdefault("SAGUARO_OPS", "compiled")
 
+from saguaro_vllm.drafter.sampling import sample_rows
 from saguaro_vllm.ops import loader, reference
 
 ATTN = dict(heads=32, kv_heads=8, head_size=64, K=5, branches=24, block_size=16)
@@ -158,10 +159,7 @@ def drafter_round(model, caches, use_ops: bool, temperature: float, seed: int = 
             q = proposal.proposal_probs(logits, *args[:4], saguaro_c=args[4].exp())
         else:
             q = reference.proposal_probs(logits, *args)
-        u = torch.rand(n, 1, dtype=torch.float64, device=dev)  # one uniform per row: the drafter's inverse CDF
-        cdf = q.cumsum(-1, dtype=torch.float64)
-        return torch.searchsorted(cdf, torch.minimum(u * cdf[:, -1:], cdf[:, -1:].nextafter(cdf.new_zeros(1))),
-                                  right=True).squeeze(-1)
+        return sample_rows(q, [None] * n)  # the drafter's draw: inverse CDF, one uniform per row
 
     def sync():
         if dev.type == "cuda":

@@ -9,9 +9,9 @@ import random
 
 import pytest
 import torch
-from branch_runs import draft_branches
+from branch_runs import bonus_distributions, draft_branches, glue
 
-from saguaro_vllm.drafter.branches import BranchRoot, BranchRun, bonus_distributions, glue
+from saguaro_vllm.drafter.branches import BranchRoot, BranchRun
 from saguaro_vllm.drafter.kv_cache import KVCacheConfig
 from saguaro_vllm.drafter.model.loader import load_draft_model
 from saguaro_vllm.drafter.predictor import select_candidates

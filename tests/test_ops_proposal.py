@@ -97,20 +97,22 @@ def test_saguaro_scaling_worked_example():
 def test_samples_follow_the_proposal(device):
     """20000 draws (the drafter's sampler, one row each) from one scaled q': frequencies match q' (within
     5 sigma) and tokens of probability 0 never come."""
-    pytest.importorskip("zmq")  # saguaro_vllm.transport needs it; the GPU check machine may lack it
+    from types import SimpleNamespace
+
     from saguaro_vllm.drafter.sampling import sample_proposals
-    from saguaro_vllm.transport import SamplingSpec
+
+    spec = SimpleNamespace(temperature=0.9, top_k=6, top_p=0.97)  # a SamplingSpec without importing pyzmq
 
     n, vocab = 20000, 8
     logits = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.0, -0.5, -1.0, -3.0]).expand(n, vocab).to(device)
     gen = torch.Generator().manual_seed(0)
-    tokens, probs = sample_proposals(logits, [SamplingSpec(0.9, top_k=6, top_p=0.97)] * n, [gen] * n, 2, 0.4)
+    tokens, probs = sample_proposals(logits, [spec] * n, [gen] * n, 2, 0.4)
     q = probs[0]
     assert bool((q[6:] == 0).all()) and q[1] < q[2]  # top-k cut; the second token scaled below the third
     freq = torch.bincount(tokens, minlength=vocab).float() / n
     sigma = (q * (1 - q) / n).sqrt()
     assert bool(((freq - q).abs() <= 5 * sigma + 1e-9).all()), (freq, q)
-    assert int(freq[q == 0].sum()) == 0
+    assert not bool((q[tokens] == 0).any())  # no draw of a token outside q's support
 
 
 def test_rejects_bad_c():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from saguaro_vllm.drafter.sampling import sample_proposals, sample_rows
-from saguaro_vllm.proposal_buffers import FREE, HELD, WRITING, ProposalRing, SlotWriter, assemble
+from saguaro_vllm.proposal_buffers import FREE, WRITING, ProposalRing, SlotWriter, assemble
 from saguaro_vllm.transport import SamplingSpec
 
 

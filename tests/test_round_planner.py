@@ -99,8 +99,8 @@ def test_depth_only_with_depth_auto():
 
 def test_a_shallow_depth_does_not_trap_itself():
     """The pre-draft of a round at depth 3 plans at most 3 steps; judged by that plan, deeper rows would
-    all need top-ups on the critical path and the depth would stay at 3. The planner judges depths by what
-    a pre-draft fits at the maximum depth, so it goes back to the depth the measured costs favour (here:
+    all need top-ups on the critical path and the depth would stay at 3. The planner judges each depth by the
+    plan a round at that depth would get, so it goes back to the depth the measured costs favour (here:
     a 26 ms draft forward, verification 150 ms + 6 ms per token, acceptance 0.8, hit rate 0.9)."""
     planner = RoundPlanner({"depth": "auto"})
     for rows, seconds in ((1, 0.026), (2, 0.028), (8, 0.040)):

@@ -8,10 +8,10 @@ import doctest
 
 import pytest
 import torch
-from branch_runs import draft_branches
+from branch_runs import draft_branches, glue
 
 import saguaro_vllm.drafter.spec_cache as spec_cache_module
-from saguaro_vllm.drafter.branches import Branch, BranchRoot, glue
+from saguaro_vllm.drafter.branches import Branch, BranchRoot
 from saguaro_vllm.drafter.kv_cache import KVCacheConfig
 from saguaro_vllm.drafter.model.loader import load_draft_model
 from saguaro_vllm.drafter.runner import DraftModelRunner

@@ -55,7 +55,7 @@ def select_candidates(scores: torch.Tensor, drafts: Sequence[int], fanout: Seque
     """Candidate outcomes `(depth j, bonus t)` of one request, in priority order.
 
     `scores` `[K+1, vocab]`: logits (or probabilities) of the depth-j bonus distributions (see
-    `branches.bonus_distributions`). Depth j < K takes its best f_j tokens other than x_{j+1} (a rejected
+    `PreDrafter._glue`). Depth j < K takes its best f_j tokens other than x_{j+1} (a rejected
     draft is never the bonus token); depth K excludes nothing. Ties go to the lower token id (as the fused
     `saguaro_vllm.ops.select_candidates`). Order: every depth's best token first, then every depth's second,
     and so on, so that dropping from the tail (a full KV cache) loses the least likely outcomes.

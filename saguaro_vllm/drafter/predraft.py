@@ -48,7 +48,7 @@ class PreDrafter:
             for root, sc in zip(roots, scores, strict=True):
                 sent = self._sent[root.req_id]
                 fan = self.planner.fanout_for(len(sent.drafts), sent.fast, plan.branches)
-                if not self._sent[root.req_id].fast:
+                if not sent.fast:
                     self._fanout = fan
                 candidates.append(select_candidates(sc, root.drafts, fan))
             run = BranchRun(self.runner, roots, candidates, num_steps=plan.steps, propose=self._propose_branches,
@@ -76,6 +76,7 @@ class PreDrafter:
         """Feed every token of context + drafts the draft has no KV for (normally just x_K; after an
         n-gram backup the new context tail and all drafts), and gather the K+1 bonus distributions."""
         chunks, wanted, items = [], [], []
+        protect = set(req_ids)
         for rid in req_ids:
             st, sent = self.reqs.get(rid), self._sent.get(rid)
             if st is None or sent is None or len(st.context) != sent.context_len:
@@ -94,7 +95,7 @@ class PreDrafter:
                 self.runner.truncate(rid, max(0, sent.context_len - 1))
                 done = self.runner.num_computed(rid)
                 have, need = 0, k + 1
-            if not self._reserve(rid, len(seq) - done, protect=set(req_ids)):
+            if not self._reserve(rid, len(seq) - done, protect=protect):
                 continue  # no room for this request's pre-draft (its drafts are out already)
             chunks.append((rid, seq[done:], done))
             wanted.append(need)

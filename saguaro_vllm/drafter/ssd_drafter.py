@@ -89,10 +89,10 @@ class _Answer:
     """One step's answer as it is built, per row of the request."""
 
     n: dataclasses.InitVar[int]
-    drafts: list[list[int]] = dataclasses.field(default_factory=list)
+    drafts: list[list[int]] = dataclasses.field(init=False)
     probs: dict[int, list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # row -> q' of each sampled draft
-    status: list[str] = dataclasses.field(default_factory=list)
-    depth: list[int] = dataclasses.field(default_factory=list)  # the looked-up outcome's accepted count (-1: none)
+    status: list[str] = dataclasses.field(init=False)
+    depth: list[int] = dataclasses.field(init=False)  # the looked-up outcome's accepted count (-1: none)
     resync: list[str] = dataclasses.field(default_factory=list)
     want: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> drafts it may get (K, or fewer)
     misses: list[int] = dataclasses.field(default_factory=list)

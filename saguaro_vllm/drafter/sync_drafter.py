@@ -233,8 +233,8 @@ class SyncDrafter:
             next_order, next_chunks = [], []
             for n, (i, (rid, _, _)) in enumerate(zip(order, chunks, strict=True)):
                 st = self.reqs[rid]
-                if drafts[i] and len(st.drafted) < len(drafts[i]):
-                    st.drafted.append(drafts[i][-1])  # the fed draft has KV now
+                if drafts[i]:  # the fed token was its last draft (st.drafted == drafts[i][:-1]): it has KV now
+                    st.drafted.append(drafts[i][-1])
                 drafts[i].append(tokens[n])
                 if self.keep_logits:
                     st.draft_logits.append(logits[n])
@@ -254,10 +254,10 @@ class SyncDrafter:
         """Each row's next draft and the q' it was drawn from: the argmax (q' None) for greedy requests; for
         sampled ones one batched `sample_proposals` call, with Saguaro's F and C per row (`_scaling`) at
         the draft's depth."""
-        tokens = logits.argmax(dim=-1).tolist()
         qs: list[torch.Tensor | None] = [None] * len(req_ids)
         states = [self.reqs[rid] for rid in req_ids]
         sampled = [n for n, st in enumerate(states) if not st.sampling.greedy]
+        tokens = logits.argmax(dim=-1).tolist() if len(sampled) < len(states) else [0] * len(states)
         if not sampled:
             return tokens, qs
         scaling = [self._scaling(states[n], depths[n]) for n in sampled]
