@@ -19,7 +19,9 @@ from saguaro_vllm.drafter.predictor import (
     StepCostModel,
     allocate_fanout,
     depth_probs,
+    plan_predraft,
     select_candidates,
+    top_tokens,
 )
 
 
@@ -188,3 +190,42 @@ def test_branches_pay_off():
     assert not branches_pay_off(0.1, 4, late_s=0.015, policy="auto", **sampled)
     # No lateness: always worth it when any hit is possible.
     assert branches_pay_off(0.05, 8, late_s=0.0, policy="jit", **args)
+
+
+@pytest.mark.parametrize("rows,vocab,n,ties", [(1, 50, 5, False), (7, 300, 17, True), (4, 128256, 9, True),
+                                               (3, 10, 10, True), (2, 8, 20, False)])
+def test_top_tokens_equal_a_stable_descending_sort(rows, vocab, n, ties):
+    """The topk-based selection gives exactly a stable descending sort's first n ids, ties to the lower id
+    (integer-valued scores make many ties, also across the n-th place)."""
+    gen = torch.Generator().manual_seed(rows * vocab + n)
+    scores = torch.randint(0, 6, (rows, vocab), generator=gen).float() if ties else torch.randn(rows, vocab, generator=gen)
+    want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :n].tolist()
+    assert top_tokens(scores, n) == want
+
+
+def test_forward_cost_fit_separates_tokens_from_logit_rows():
+    """A forward costs fixed + per token fed + per logit row: a 128-token prefill chunk (one logit) is not
+    128 decode rows."""
+    truth = StepCostModel(0.002, 0.00002, 0.0005)
+    shapes = [(1, 1), (16, 16), (128, 1), (32, 32), (16, 96), (300, 4)]
+    fit = StepCostModel.fit_forwards([(t, lg, truth.forward_s(t, lg)) for t, lg in shapes])
+    assert fit.fixed_s == pytest.approx(0.002, rel=1e-6) and fit.per_row_s == pytest.approx(0.00002, rel=1e-5)
+    assert fit.per_logit_s == pytest.approx(0.0005, rel=1e-6) and fit.max_rows == 96
+
+
+def test_forward_cost_fit_does_not_extrapolate_unmeasured_sizes_as_free():
+    """Forwards all of one size cannot tell a fixed cost from a per-row one: the proportional model is
+    taken, so a forward 16x larger is predicted 16x dearer (the fixed-cost reading predicted 256 rows at
+    31 ms where 0.77 s was measured at vocabulary 128k); one-token forwards put the per-row cost on tokens."""
+    fit = StepCostModel.fit_forwards([(16, 16, 0.0093), (16, 16, 0.0095), (16, 16, 0.0094)])
+    assert fit.fixed_s == 0.0 and fit.step_s(256) == pytest.approx(16 * 0.0094, rel=1e-3)
+    assert fit.per_logit_s == 0.0 and fit.max_rows == 16
+    spread = StepCostModel.fit_forwards([(r, r, 0.01 + 0.001 * r) for r in (1, 2, 4, 8, 16)])
+    assert spread.fixed_s == pytest.approx(0.01) and spread.step_s(3) == pytest.approx(0.013)
+
+
+def test_plan_does_not_grow_past_twice_the_largest_measured_forward():
+    cost = StepCostModel(0.001, 0.0001, max_rows=16)
+    free = plan_predraft(1.0, cost, batch_size=16, k=5, alpha=0.8, max_branches=32)
+    capped = plan_predraft(1.0, cost, batch_size=16, k=5, alpha=0.8, max_branches=32, max_rows=32)
+    assert free.branches == 32 and capped.branches == 2 and capped.steps == 5

@@ -216,7 +216,7 @@ def test_one_miss_among_hits_is_drafted_now_only_when_worth_the_wait(draft_model
         bonus = min(cached) if j < 7 else next(t for t in range(2, 300) if t not in cached)
         rows.append(RowUpdate(rid, len(ctx), first.drafts[j] + [bonus], K))  # every draft accepted
     drafter.planner.costs.clear()  # a measured draft forward: 9 ms + 1 ms per row
-    drafter.planner.costs.extend([(1, 0.010), (2, 0.011), (4, 0.013)])
+    drafter.planner.costs.extend([(1, 1, 0.010), (2, 2, 0.011), (4, 4, 0.013)])
     drafter.planner.answered_at = time.monotonic() - verify_s
     resp = drafter.step(StepRequest(2, rows, [], sent_at=time.monotonic()))
     assert resp.row_status == ["hit"] * 7 + [expect], resp.row_status
@@ -226,3 +226,37 @@ def test_one_miss_among_hits_is_drafted_now_only_when_worth_the_wait(draft_model
     assert resp.drafts[7] == want
     for j in range(7):
         assert resp.drafts[j] == greedy_continuation(draft_model, ctxs[f"r{j}"] + rows[j].new_tokens, K)
+
+
+def test_new_requests_left_undrafted_are_fed_off_the_critical_path_and_drafted_next_step(draft_model):
+    """Backup `auto` with measured timings: drafting 8 new 60-token prompts now (each its whole prompt
+    plus K-1 steps at 1 ms per row) is not worth the wait at the batch's rate, so they get no drafts; the
+    pre-draft then feeds their prompts (no round, no branches), and the next step drafts them just in time
+    for a token or two each. Without that catch-up every later step weighs the whole (growing) context
+    again and refuses again: measured at vocabulary 128k, batch 16, a whole run without one draft."""
+    rng = np.random.default_rng(11)
+    drafter = make_drafter(draft_model, backup="auto", num_blocks=512)
+    ctxs = {f"n{i}": [int(t) for t in rng.permutation(np.arange(2, 300))[:60]] for i in range(8)}  # no repeats: no n-gram drafts
+
+    def measured(rate: float) -> None:
+        drafter.planner.costs.clear()
+        drafter.planner.costs.extend([(1, 1, 0.010), (2, 2, 0.011), (4, 4, 0.013)])  # 9 ms + 1 ms per row
+        drafter.planner.verify_s, drafter.planner.rate = 0.1, rate
+        drafter.planner.answered_at = time.monotonic() - 0.1
+
+    measured(rate=50.0)
+    first = drafter.step(StepRequest(1, [RowUpdate(rid, 0, c, K, SamplingSpec()) for rid, c in ctxs.items()], [],
+                                     sent_at=time.monotonic()))
+    assert first.drafts == [[]] * 8 and first.row_status == ["new"] * 8, first.row_status
+    assert all(drafter.runner.num_computed(rid) == 0 for rid in ctxs if drafter.runner.has_request(rid))
+    drafter.answered()
+    while drafter.busy:
+        drafter.advance()
+    assert all(drafter.runner.num_computed(rid) == len(c) for rid, c in ctxs.items())  # caught up
+    assert len(drafter.cache) == 0  # no round, no branches: nothing was sent to look up
+    measured(rate=50.0)
+    rows = [RowUpdate(rid, len(c), [7], K) for rid, c in ctxs.items()]
+    second = drafter.step(StepRequest(2, rows, [], sent_at=time.monotonic()))
+    assert second.row_status == ["new"] * 8 and second.ssd["backup"] == "jit", (second.row_status, second.ssd)
+    for rid, drafts in zip(ctxs, second.drafts, strict=True):
+        assert drafts == greedy_continuation(draft_model, ctxs[rid] + [7], K)

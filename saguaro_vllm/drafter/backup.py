@@ -67,23 +67,31 @@ class DraftNow:
     steps: int  # forwards it needs: its number of drafts (a miss) or the missing tail (a top-up)
     gain: float  # expected tokens its verification gains when drafted now instead of left as it is
     topup: bool = False
+    #: logit rows its forwards compute (one per forward it is in: `steps`; more for an aggregate of rows)
+    logit_rows: int | None = None
 
     @property
     def rows_fed(self) -> int:
         return self.feed + self.steps - 1
 
+    @property
+    def logits(self) -> int:
+        return self.steps if self.logit_rows is None else self.logit_rows
 
-def draft_now_s(rows: Sequence[DraftNow], fixed_s: float, per_row_s: float) -> float:
+
+def draft_now_s(rows: Sequence[DraftNow], fixed_s: float, per_row_s: float, per_logit_s: float = 0.0) -> float:
     """Seconds to draft `rows` now in batched forwards: max(steps) forwards, the first feeding every row's
-    `feed` tokens, each later one the rows still drafting (the linear draft step cost model)."""
+    `feed` tokens, each later one the rows still drafting, each forward one logit row per row in it (the
+    linear draft forward cost model, `predictor.StepCostModel`)."""
     if not rows:
         return 0.0
-    return fixed_s * max(r.steps for r in rows) + per_row_s * sum(r.rows_fed for r in rows)
+    return (fixed_s * max(r.steps for r in rows) + per_row_s * sum(r.rows_fed for r in rows)
+            + per_logit_s * sum(r.logits for r in rows))
 
 
 def choose_draft_now(candidates: Sequence[DraftNow], base_tokens: float, verify_s: float | None,
                      fixed_s: float | None, per_row_s: float | None, policy: str = "auto",
-                     rate: float | None = None) -> list[int]:
+                     rate: float | None = None, per_logit_s: float = 0.0) -> list[int]:
     """The rows to draft now (see the module doc), sorted. `base_tokens`: the step's expected tokens if
     none is drafted now. With `rate` (the long-run tokens per second of the batch) a set of rows is scored
     by `tokens - rate x seconds`, which maximises the long-run rate; without it, by the step's own tokens
@@ -99,21 +107,25 @@ def choose_draft_now(candidates: Sequence[DraftNow], base_tokens: float, verify_
     def score(tokens: float, seconds: float) -> float:
         return tokens - rate * seconds if rate is not None else tokens / seconds
 
-    order = sorted(candidates, key=lambda c: c.gain / c.rows_fed, reverse=True)
+    def row_s(c: DraftNow) -> float:  # what the row adds to the forwards beyond their fixed cost
+        return per_row_s * c.rows_fed + per_logit_s * c.logits
+
+    order = sorted(candidates, key=lambda c: c.gain / max(row_s(c), 1e-12), reverse=True)
     best, best_score = 0, score(base_tokens, verify_s)
-    gains, fed, steps = 0.0, 0, 0
+    gains, rows_s, steps = 0.0, 0.0, 0
     for m, c in enumerate(order, 1):
         gains += c.gain
-        fed += c.rows_fed
+        rows_s += row_s(c)
         steps = max(steps, c.steps)
-        value = score(base_tokens + gains, verify_s + fixed_s * steps + per_row_s * fed)
+        value = score(base_tokens + gains, verify_s + fixed_s * steps + rows_s)
         if value > best_score:
             best, best_score = m, value
     return sorted(c.row for c in order[:best])
 
 
 def step_rate(batch: int, hit_rate: float, k: int, alpha: float, tokens_fast: float, feed: int,
-              verify_s: float, fixed_s: float, per_row_s: float, policy: str = "auto") -> float:
+              verify_s: float, fixed_s: float, per_row_s: float, policy: str = "auto",
+              per_logit_s: float = 0.0) -> float:
     """Long-run tokens per second of steps of `batch` rows that each hit the cache with `hit_rate` (hits
     yield E(alpha, K); misses are drafted now or keep their fast backup's `tokens_fast`, as
     `choose_draft_now` decides at that rate): E[tokens] / E[seconds] over the binomial number of misses,
@@ -138,10 +150,11 @@ def step_rate(batch: int, hit_rate: float, k: int, alpha: float, tokens_fast: fl
         for m, p in counts:
             base = (batch - m) * e_hit + m * tokens_fast
             # The m alike misses as one candidate (same forwards, rows fed and gain): drafted all or none.
-            misses = [DraftNow(0, m * (feed + k - 1) - (k - 1), k, m * gain)] if m else []
-            drafted = misses if choose_draft_now(misses, base, verify_s, fixed_s, per_row_s, policy, rate) else []
+            misses = [DraftNow(0, m * (feed + k - 1) - (k - 1), k, m * gain, logit_rows=m * k)] if m else []
+            drafted = misses if choose_draft_now(misses, base, verify_s, fixed_s, per_row_s, policy, rate,
+                                                 per_logit_s) else []
             tokens += p * (base + sum(c.gain for c in drafted))
-            seconds += p * (verify_s + draft_now_s(drafted, fixed_s, per_row_s))
+            seconds += p * (verify_s + draft_now_s(drafted, fixed_s, per_row_s, per_logit_s))
         if rate is not None and tokens / seconds <= rate * (1 + 1e-9):
             break
         rate = tokens / seconds

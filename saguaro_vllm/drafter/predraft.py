@@ -13,18 +13,19 @@ from collections.abc import Iterator
 import torch
 
 from saguaro_vllm.drafter.branches import BranchRoot, BranchRun
-from saguaro_vllm.drafter.predictor import MAX_RANK, select_candidates
+from saguaro_vllm.drafter.predictor import MAX_RANK, candidates_from, top_tokens
 
 
-def _ranked(scores: torch.Tensor, drafts) -> list[list[int]]:
-    """Per depth j, the MAX_RANK best tokens of its bonus distribution, x_{j+1} excluded for j < K."""
-    top = torch.topk(scores.float(), min(MAX_RANK + 1, scores.shape[-1]), dim=-1).indices.tolist()
+def _ranked(top: list[list[int]], drafts) -> list[list[int]]:
+    """Per depth j, the MAX_RANK best tokens of its bonus distribution (`top[j]`, best first), x_{j+1}
+    excluded for j < K."""
     return [[t for t in row if j >= len(drafts) or t != drafts[j]][:MAX_RANK] for j, row in enumerate(top)]
 
 
 class PreDrafter:
-    def _predraft_rounds(self, req_ids: list[str]) -> Iterator[None]:
-        """Generator: glue, then the branch steps, one forward per `next`; closing it caches the branches."""
+    def _predraft_rounds(self, req_ids: list[str], catch_up: list[str] = ()) -> Iterator[None]:
+        """Generator: glue, then the branch steps, one forward per `next`; closing it caches the branches.
+        `catch_up`: requests that got no drafts this step, whose context the glue forward feeds too."""
         t0 = time.perf_counter()
         run: BranchRun | None = None
         stats = self._predraft
@@ -32,25 +33,32 @@ class PreDrafter:
             yield  # nothing before the answer is out: the first forward runs on the next `advance`
             t0 = time.perf_counter()
             self._flush_garbage()
-            roots, scores = self._glue(req_ids)
+            roots, scores = self._glue(req_ids, catch_up)
             yield
             if not roots:
                 return
-            for root, sc in zip(roots, scores, strict=True):
-                self._sent[root.req_id].ranked = _ranked(sc, root.drafts)
             k = max(r.k for r in roots)
             plan = self.planner.plan(len(roots), k)
             stats.budget, stats.plan_steps = plan.branches, plan.steps
-            if not self.planner.branches_pay_off(plan, len(roots), k):
+            pays = self.planner.branches_pay_off(plan, len(roots), k)
+            fans = [self.planner.fanout_for(len(self._sent[r.req_id].drafts), self._sent[r.req_id].fast,
+                                            plan.branches) for r in roots] if pays else []
+            # every root's best tokens per depth in one selection (ranks, and the candidates if branching)
+            widest = max((max(f, default=0) for f in fans), default=0)
+            top = top_tokens(torch.cat(scores), max(MAX_RANK, widest) + 1)
+            offset, tops = 0, []
+            for root in roots:
+                tops.append(top[offset: offset + root.k + 1])
+                offset += root.k + 1
+                self._sent[root.req_id].ranked = _ranked(tops[-1], root.drafts)
+            if not pays:
                 stats.skipped = True
                 return
             candidates = []
-            for root, sc in zip(roots, scores, strict=True):
-                sent = self._sent[root.req_id]
-                fan = self.planner.fanout_for(len(sent.drafts), sent.fast, plan.branches)
-                if not sent.fast:
+            for root, fan, root_top in zip(roots, fans, tops, strict=True):
+                if not self._sent[root.req_id].fast:
                     self._fanout = fan
-                candidates.append(select_candidates(sc, root.drafts, fan))
+                candidates.append(candidates_from(root_top, root.drafts, fan))
             run = BranchRun(self.runner, roots, candidates, num_steps=plan.steps, propose=self._propose_branches,
                             keep_logits=True, vocab_size=self.vocab_size)
             self._run = run
@@ -72,11 +80,16 @@ class PreDrafter:
                         self._release(branch.seq_id)
             stats.predraft_s = time.perf_counter() - t0
 
-    def _glue(self, req_ids: list[str]) -> tuple[list[BranchRoot], list[torch.Tensor]]:
+    def _glue(self, req_ids: list[str], catch_up: list[str] = ()) -> tuple[list[BranchRoot], list[torch.Tensor]]:
         """Feed every token of context + drafts the draft has no KV for (normally just x_K; after an
-        n-gram backup the new context tail and all drafts), and gather the K+1 bonus distributions."""
+        n-gram backup the new context tail and all drafts), and gather the K+1 bonus distributions.
+
+        The same forward feeds the context of the `catch_up` requests (misses left without drafts, e.g.
+        new requests at a busy step): off the critical path, so that drafting them next step costs a
+        token or two instead of their whole prompt, which would make the per-row backup rule leave them
+        undrafted again and again (measured at vocabulary 128k, batch 16: a whole run without drafts)."""
         chunks, wanted, items = [], [], []
-        protect = set(req_ids)
+        protect = set(req_ids) | set(catch_up)
         for rid in req_ids:
             st, sent = self.reqs.get(rid), self._sent.get(rid)
             if st is None or sent is None or len(st.context) != sent.context_len:
@@ -100,9 +113,10 @@ class PreDrafter:
             chunks.append((rid, seq[done:], done))
             wanted.append(need)
             items.append((rid, st, sent, have))
-        if not chunks:
+        fed = self._catch_up_chunks(catch_up, protect)
+        if not chunks and not fed:
             return [], []
-        logits = self._forward(chunks, num_logits=wanted)
+        logits = self._forward(chunks + fed, num_logits=wanted + [1] * len(fed))
         roots, scores = [], []
         offset = 0
         for (rid, st, sent, have), need in zip(items, wanted, strict=True):
@@ -114,6 +128,22 @@ class PreDrafter:
             roots.append(BranchRoot(rid, sent.context_len, tuple(sent.drafts)))
             scores.append(torch.cat([torch.stack(kept), rows]) if kept else rows)
         return roots, scores
+
+    def _catch_up_chunks(self, req_ids, protect: set[str]) -> list[tuple[str, list[int], int]]:
+        """Chunks feeding each request's context tail the draft has no KV for (its logits are not used)."""
+        chunks = []
+        for rid in req_ids:
+            st = self.reqs.get(rid)
+            if st is None or not st.context or rid in self._sent:
+                continue
+            if not self.runner.has_request(rid):
+                self.runner.add_request(rid)
+            done = self.runner.num_computed(rid)
+            if done >= len(st.context):
+                continue
+            if self._reserve(rid, len(st.context) - done, protect=protect):
+                chunks.append((rid, st.context[done:], done))
+        return chunks
 
     def _propose_branches(self, req_id: str, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         st = self.reqs[req_id]

@@ -44,6 +44,10 @@ VERIFY_EMA = 0.3
 #: After this many rounds in a row whose branch steps were skipped, one round runs them anyway, so the
 #: measured hit rate that decides skipping is measured again (the workload may have changed).
 PROBE_EVERY = 16
+#: A plan's branch steps may be at most this many times the largest draft forward measured so far (in logit
+#: rows): the cost model is not extrapolated far beyond its data, and each round's larger forward measures
+#: the next size (at batch 1 budgets grow 2, 4, 8, ... in a few rounds).
+GROWTH = 2
 #: Steps between re-plannings of the per-depth outlook of `depth: "auto"` (k_max plans each time).
 OUTLOOK_EVERY = 8
 
@@ -58,7 +62,8 @@ class RoundPlanner:
         self.opts = options
         self.predictor = OutcomePredictor()
         self.ranks = RankEstimate()
-        self.costs: collections.deque[tuple[int, float]] = collections.deque(maxlen=COST_SAMPLES)
+        #: measured draft forwards: (tokens fed, logit rows, seconds)
+        self.costs: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=COST_SAMPLES)
         self.verify_s: float | None = None
         #: what the answer waits for a pre-draft forward in flight, in rounds that ran branch steps
         self.late_s: float | None = None
@@ -103,11 +108,12 @@ class RoundPlanner:
         self.answered_at = None
         return verify_s, late_s
 
-    def record_forward(self, rows: int, seconds: float) -> None:
-        self.costs.append((rows, seconds))
+    def record_forward(self, rows: int, seconds: float, logits: int | None = None) -> None:
+        """A draft forward that fed `rows` tokens and computed `logits` logit rows (default: one per token)."""
+        self.costs.append((rows, rows if logits is None else logits, seconds))
 
     def cost_model(self) -> StepCostModel | None:
-        return StepCostModel.fit(list(self.costs)) if len(self.costs) >= 3 else None
+        return StepCostModel.fit_forwards(list(self.costs)) if len(self.costs) >= 3 else None
 
     def measure_rate(self, tokens: int, verify_s: float) -> None:
         """Tokens committed over the last verification plus answer (call only for steps whose rows all
@@ -147,7 +153,8 @@ class RoundPlanner:
         if cost is None or self.verify_s is None:
             return PreDraftPlan(k + 1, k)  # one branch per depth until timings are known
         plan = plan_predraft(PLAN_SAFETY * self.verify_s, cost, batch, k, self.predictor.neural.alpha,
-                             max_branches=int(self.opts.get("max_fanout_budget", 32)), ranks=self.ranks)
+                             max_branches=int(self.opts.get("max_fanout_budget", 32)), ranks=self.ranks,
+                             max_rows=GROWTH * max(cost.max_rows or 0, batch))
         if plan.branches == 0:  # not even one branch per depth fits one step: the most likely outcomes only
             return PreDraftPlan(max(1, min(2, k + 1)), 1)
         return plan
@@ -190,7 +197,8 @@ class RoundPlanner:
         """The rows to draft on the critical path (`backup.choose_draft_now` at the measured rate)."""
         cost = self.cost_model()
         return choose_draft_now(candidates, base_tokens, self.verify_s, cost and cost.fixed_s,
-                                cost and cost.per_row_s, self.opts.get("backup", "auto"), rate=self.rate)
+                                cost and cost.per_row_s, self.opts.get("backup", "auto"), rate=self.rate,
+                                per_logit_s=cost.per_logit_s if cost else 0.0)
 
     def depth_outlook(self, batch: int, k_max: int) -> dict[int, tuple[float, int]]:
         """Per depth d: the hit rate and the branch steps of the pre-draft a round at depth d would plan.

@@ -147,6 +147,7 @@ class DraftModelRunner:
         limit = max_tokens_per_seq or self.max_tokens_per_seq
         done = [0] * len(chunks)
         rows: list[list[torch.Tensor]] = [[] for _ in chunks]
+        passes = 0
         while True:
             pieces = [
                 _Piece(i, done[i], min(len(c[1]), done[i] + limit))
@@ -155,14 +156,19 @@ class DraftModelRunner:
             ]
             if not pieces:
                 break
-            for piece, logits in zip(pieces, self._run(chunks, pieces, counts), strict=True):
-                rows[piece.index].append(logits)
+            logits, per_piece = self._run(chunks, pieces, counts)
+            passes += 1
+            if passes == 1 and all(p.end == len(chunks[p.index][1]) for p in pieces):
+                return logits  # one pass fed every chunk whole: its rows are in chunk order already (no copy)
+            for piece, part in zip(pieces, logits.split(per_piece), strict=True):
+                rows[piece.index].append(part)
                 done[piece.index] = piece.end
         return torch.cat([t for chunk_rows in rows for t in chunk_rows])
 
-    def _run(self, chunks: Sequence[Chunk], pieces: list[_Piece], num_logits: list[int]) -> list[torch.Tensor]:
-        """One model pass over `pieces`; returns, per piece, the logits of its tokens among the last
-        `num_logits` of their chunk (possibly none)."""
+    def _run(self, chunks: Sequence[Chunk], pieces: list[_Piece], num_logits: list[int]
+             ) -> tuple[torch.Tensor, list[int]]:
+        """One model pass over `pieces`; returns the logits of each piece's tokens among the last
+        `num_logits` of their chunk (possibly none), piece after piece, and how many rows each piece has."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -202,8 +208,7 @@ class DraftModelRunner:
         hidden = self.model(input_t, positions_t, self.kv_cache.layers, meta)
         for p, seq_len in zip(pieces, seq_lens, strict=True):
             self._requests[chunks[p.index][0]].num_computed = seq_len
-        logits = self.model.compute_logits(hidden[self._tensor(logit_rows, torch.int64)])
-        return list(logits.split(logit_counts))
+        return self.model.compute_logits(hidden[self._tensor(logit_rows, torch.int64)]), logit_counts
 
     # ---- helpers -------------------------------------------------------------------------------
     def _get(self, req_id: str) -> _Request:

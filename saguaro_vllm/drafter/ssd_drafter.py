@@ -193,7 +193,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         """A timed forward: the planner's cost model learns from every forward the drafter runs."""
         t0 = time.perf_counter()
         logits = super()._forward(chunks, num_logits=num_logits)
-        self.planner.record_forward(sum(len(c[1]) for c in chunks), time.perf_counter() - t0)
+        self.planner.record_forward(sum(len(c[1]) for c in chunks), time.perf_counter() - t0, logits=logits.shape[0])
         return logits
 
     # ---- the answer ---------------------------------------------------------------------------------
@@ -329,9 +329,11 @@ class SSDDrafter(PreDrafter, SyncDrafter):
     def _send_rounds(self, req: StepRequest, ans: _Answer, stats: SSDStats) -> None:
         """Every row with drafts starts a round (what the next lookup is against) and the pre-draft for
         them is queued; sampled rows note their C, and with `sampling_scale: "auto"` choose the next one."""
-        roots = []
+        roots, catch_up = [], []
         for i, row in enumerate(req.rows):
             if not ans.drafts[i]:
+                if i in ans.fast:  # no drafts this step: its context is fed in the pre-draft (see `_glue`)
+                    catch_up.append(row.req_id)
                 continue
             st = self.reqs[row.req_id]
             fast = i in ans.fast
@@ -346,8 +348,8 @@ class SSDDrafter(PreDrafter, SyncDrafter):
             sent.round_id = self.cache.start_round(row.req_id, sent.context_len, sent.drafts)
             self._sent[row.req_id] = sent
             roots.append(row.req_id)
-        if roots:
-            self._work = self._predraft_rounds(roots)
+        if roots or catch_up:
+            self._work = self._predraft_rounds(roots, catch_up)
 
     def _draft_limit(self, row, st) -> int:
         """K (fewer near the limits, see SyncDrafter), or this step's depth with `depth: "auto"`."""
