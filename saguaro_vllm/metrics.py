@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+from saguaro_vllm.speculation_watch import SpeculationWatch
+
 try:
     import prometheus_client
 except ImportError:  # pragma: no cover - prometheus_client ships with vLLM
@@ -123,6 +125,15 @@ def _prometheus() -> dict:
                 "vllm:saguaro_drafter_state",
                 "1 for the drafter client's current state (starting, ready, late, restarting, disabled), "
                 "0 for the others.", labelnames=["state"], multiprocess_mode="livesum"),
+            "speculating": prometheus_client.Gauge(
+                "vllm:saguaro_speculating",
+                "1 while rows get drafts, 0 while speculation is stalled: over the last 64 steps fewer than 10 % "
+                "of the rows asking for drafts got any (back to 1 at 30 %; docs/troubleshooting.md).",
+                multiprocess_mode="livesum"),
+            "undrafted": prometheus_client.Counter(
+                "vllm:saguaro_rows_undrafted",
+                "Rows that asked the drafter for drafts and got none, by the drafter's row status (why).",
+                labelnames=["status"]),
         }
     return _PROM or {}
 
@@ -165,10 +176,15 @@ class SaguaroMetrics:
         self.drafter_state = ""
         self._last_log = time.monotonic()
         self._window = [0, 0.0, 0.0, 0, 0, 0]  # steps, round trip, compute, draft tokens, lookups, hits
+        self.watch = SpeculationWatch()
+        self.rows_undrafted = 0
 
     def on_step(self, round_trip_s: float, compute_s: float, rows: int, draft_tokens: int,
                 live_requests: int = 0, free_blocks: int = 0, row_status: list[str] | None = None,
-                row_depth: list[int] | None = None, ssd: dict | None = None) -> None:
+                row_depth: list[int] | None = None, ssd: dict | None = None,
+                drafted_rows: list[bool] | None = None) -> None:
+        """One answered step; `drafted_rows`: per row of the step, whether it got drafts (feeds the
+        `SpeculationWatch`: one log line when speculation stalls or resumes)."""
         self.steps += 1
         self.live_requests = live_requests
         self.rows += rows
@@ -193,7 +209,25 @@ class SaguaroMetrics:
             if no_room and self.prom:
                 self.prom["no_room"].inc(no_room)
             self._on_ssd(row_status, row_depth or [-1] * len(row_status), ssd or {})
+        if drafted_rows is not None:
+            self._watch(drafted_rows, row_status)
         self._maybe_log()
+
+    def _watch(self, drafted_rows: list[bool], row_status: list[str] | None) -> None:
+        status = row_status if row_status and len(row_status) == len(drafted_rows) else ["unknown"] * len(drafted_rows)
+        undrafted = [s for s, got in zip(status, drafted_rows, strict=True) if not got]
+        self.rows_undrafted += len(undrafted)
+        if self.prom:
+            for s in set(undrafted):
+                self.prom["undrafted"].labels(status=s).inc(undrafted.count(s))
+        change = self.watch.observe(len(drafted_rows), len(drafted_rows) - len(undrafted), undrafted)
+        if change == "stalled":
+            self.logger.warning("Saguaro: speculation stalled: %s; requests are served without drafts (exact, "
+                                "at plain decoding speed) until rows get drafts again", self.watch.describe())
+        elif change == "resumed":
+            self.logger.info("Saguaro: speculation resumed: %s", self.watch.describe())
+        if self.prom and (change or self.steps == 1):
+            self.prom["speculating"].set(0 if self.watch.stalled else 1)
 
     def _on_ssd(self, row_status: list[str], row_depth: list[int], ssd: dict) -> None:
         """Cache lookups and hits per depth, backups, and the pre-draft vs verification timings."""
@@ -318,4 +352,5 @@ class SaguaroMetrics:
             "drafter_state": self.drafter_state, "sampled_drafts": self.sampled_drafts,
             "scaled_drafts": self.scaled_drafts, "scale_sum": self.scale_sum, "fork_copies": self.fork_copies,
             "branch_blocks": self.branch_blocks, "depth": self.depth,
+            "speculating": not self.watch.stalled, "rows_undrafted": self.rows_undrafted,
         }

@@ -195,7 +195,8 @@ class SaguaroProposer:
             self._take_probs(resp, drafts, row_index, req_ids)
         self.metrics.on_step(time.perf_counter() - t0, resp.compute_s, len(rows),
                              sum(len(d) for d in drafts), resp.live_requests, resp.free_blocks,
-                             resp.row_status, resp.row_depth, resp.ssd)
+                             resp.row_status, resp.row_depth, resp.ssd,
+                             drafted_rows=[bool(drafts[i]) for i in row_index])
         return drafts
 
     def _sync_generation(self) -> bool:
