@@ -65,7 +65,7 @@ ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING":
 
 def build_tiny_llama(path: Path, *, vocab_size: int = 24, num_layers: int = 2, hidden_size: int = 128,
                      num_heads: int = 2, seed: int = 0, lm_head_scale: float = 6.0,
-                     like: Path | None = None, lm_head_noise: float = 0.0) -> Path:
+                     like: Path | None = None, lm_head_noise: float = 0.0, max_positions: int = 128) -> Path:
     """Write a random-weight Llama (HF format, float32 safetensors) to `path`; returns `path`.
 
     `lm_head_scale` sharpens the next-token distribution (random init gives near-uniform logits).
@@ -78,7 +78,7 @@ def build_tiny_llama(path: Path, *, vocab_size: int = 24, num_layers: int = 2, h
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
-        head_dim=hidden_size // num_heads, max_position_embeddings=128, tie_word_embeddings=False,
+        head_dim=hidden_size // num_heads, max_position_embeddings=max_positions, tie_word_embeddings=False,
         bos_token_id=0, eos_token_id=vocab_size - 1, pad_token_id=None, torch_dtype="float32",
     )
     gen = torch.Generator().manual_seed(seed)

@@ -42,7 +42,7 @@ class Job:
 
 @dataclasses.dataclass
 class JobResult:
-    token_ids: list[list[int]]
+    token_ids: list[list[int]]  # each prompt's first completion
     texts: list[str]
     spec: SpecCounters  # counters accumulated during this job only
     seconds: float
@@ -53,6 +53,8 @@ class JobResult:
     saguaro_delta: dict[str, float] = dataclasses.field(default_factory=dict)
     #: Prompt tokens vLLM's prefix cache served during this job (`vllm:prefix_cache_hits`).
     prefix_cache_hits: int = 0
+    #: every completion of each prompt (`n` > 1)
+    completions: list[list[list[int]]] = dataclasses.field(default_factory=list)
 
     def counter(self, prefix: str) -> float:
         """Sum over labels of a Saguaro counter's growth in this job, e.g. `counter("vllm:saguaro_cache_hits")`."""
@@ -76,7 +78,7 @@ def run_engine(model: str, jobs: list[Job], *, speculative_config: dict | None =
             raise EngineRunError(proc.returncode, log_path.read_text()[-8000:])
         result = json.loads(out_path.read_text())
     return {name: JobResult(r["token_ids"], r["texts"], SpecCounters(**r["spec"]), r["seconds"], r["saguaro"],
-                            r["saguaro_delta"], r["prefix_cache_hits"])
+                            r["saguaro_delta"], r["prefix_cache_hits"], r["completions"])
             for name, r in result.items()}
 
 
@@ -111,6 +113,7 @@ def _main(request: dict[str, Any]) -> dict[str, Any]:
         after = _spec_counters(llm.get_metrics())
         results[job["name"]] = {
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+            "completions": [[list(c.token_ids) for c in o.outputs] for o in outs],
             "texts": [o.outputs[0].text for o in outs],
             "spec": {k: after[k] - before[k] for k in after},
             "seconds": seconds,
