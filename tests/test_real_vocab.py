@@ -170,3 +170,18 @@ def test_async_t1_distribution_at_vocab_128256(plain128k, async128k):
 
 def test_sync_t1_distribution_at_vocab_128256(plain128k, sync128k):
     _assert_t1_distribution(plain128k, sync128k)
+
+
+def test_async_gauges_and_histograms_are_exported(async128k):
+    """The `mode: async` metrics that only the engine run can fill, read from its process's registry."""
+    samples = async128k["t1"].saguaro
+    delta = {j: async128k[j].saguaro_delta for j in async128k}
+    assert samples["vllm:saguaro_drafter_free_kv_blocks"] > 0
+    assert 1 <= samples["vllm:saguaro_draft_depth"] <= K  # depth "auto": the last step's allowed depth
+    assert samples["vllm:saguaro_fanout_budget"] >= 1
+    assert samples["vllm:saguaro_late_seconds_count"] > 0 and samples["vllm:saguaro_late_seconds_sum"] >= 0
+    assert samples["vllm:saguaro_speculating"] == 1
+    assert sum(d.get("vllm:saguaro_predraft_skipped_total", 0) for d in delta.values()) > 0
+    # C = 1 (the default): the scale sum is exactly the count of sampled drafts
+    sampled = async128k["t1"].counter("vllm:saguaro_sampled_drafts")
+    assert sampled > 0 and async128k["t1"].counter("vllm:saguaro_sampled_drafts_scale") == sampled

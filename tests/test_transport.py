@@ -228,9 +228,12 @@ def test_stale_socket_dirs_of_dead_processes_are_swept(tmp_path):
     (stale / "drafter.sock").write_text("")
     assert sweep_stale_dirs(str(tmp_path)) == [str(stale)]
     assert not stale.exists() and live.exists() and other.exists()
-    assert tempfile.gettempdir()  # new_endpoint sweeps the real temp dir the same way
-    endpoint = new_endpoint()
+    real_stale = os.path.join(tempfile.gettempdir(), f"saguaro-{dead.pid}-sweepme")
+    os.makedirs(real_stale, exist_ok=True)
+    endpoint = new_endpoint()  # sweeps the real temp dir the same way before making its own
     path = os.path.dirname(endpoint.removeprefix("ipc://"))
+    assert not os.path.exists(real_stale)
+    assert os.path.dirname(path) == tempfile.gettempdir()
     assert os.stat(path).st_mode & 0o777 == 0o700 and f"saguaro-{os.getpid()}-" in path
     os.rmdir(path)
 
