@@ -78,6 +78,15 @@ class SaguaroOptions(BaseModel):
     kv_cache_gb: float = Field(
         1.0, description="Memory for the drafter's KV cache, in GiB (sizes the number of blocks)."
     )
+    max_sampled_rows: int | Literal["auto"] = Field(
+        "auto",
+        description="Rows of the proposal ring, the shared memory (/dev/shm) through which sampled rows' draft "
+        "probabilities reach vLLM's rejection sampler: 2 x rows x K x vocab x 4 bytes reserved (a sparse "
+        "file: only rows written use memory). A step verifies sampled drafts for at most this many drafted "
+        "rows (while one row is sampled, every drafted row of the step takes a ring row); sampled rows "
+        "beyond it get no drafts that step (exact, slower; counted). `auto`: min(max_num_seqs, 256). 0: no "
+        "ring: sampled requests get no drafts.",
+    )
     max_tokens_per_forward: int = Field(
         2048, description="Prefill chunk size: at most this many tokens of one request per drafter forward "
         "(long prompts are prefilled in chunks)."
@@ -206,6 +215,14 @@ class SaguaroOptions(BaseModel):
     def _restarts(cls, v: int) -> int:
         if not 0 <= v <= 1000:
             raise ValueError("must be between 0 and 1000 (0: never restart a failed drafter)")
+        return v
+
+    @field_validator("max_sampled_rows", mode="before")
+    @classmethod
+    def _sampled_rows(cls, v: Any) -> Any:
+        if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError("must be an integer >= 0 (0: no proposal ring, sampled requests get no drafts) or "
+                             "\"auto\"")
         return v
 
     @field_validator("max_tokens_per_forward")

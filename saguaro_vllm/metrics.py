@@ -114,6 +114,15 @@ def _prometheus() -> dict:
                 "vllm:saguaro_rows_no_room",
                 "Rows that got no drafts because the drafter's KV cache had no room for them (both modes; they "
                 "complete unspeculated); raise saguaro.kv_cache_gb if this grows."),
+            "ring_bytes": prometheus_client.Gauge(
+                "vllm:saguaro_proposal_ring_bytes",
+                "Bytes reserved for the proposal ring (sampled rows' draft probabilities on /dev/shm): 2 slots x "
+                "rows (saguaro.max_sampled_rows) x K x vocab x 4 B plus a header page; a sparse file, so memory "
+                "is used only by the rows written.", multiprocess_mode="livesum"),
+            "capped": prometheus_client.Counter(
+                "vllm:saguaro_sampled_rows_capped",
+                "Sampled rows that got no drafts because the step's drafted rows outnumbered the proposal ring's "
+                "rows (saguaro.max_sampled_rows); they complete unspeculated, output unaffected."),
             "failures": prometheus_client.Counter(
                 "vllm:saguaro_drafter_failures",
                 "Steps in which the drafter could not answer (no drafts proposed; outputs unaffected), by "
@@ -173,6 +182,7 @@ class SaguaroMetrics:
         self.scale_sum = 0.0
         self.failures_by_reason: dict[str, int] = {}
         self.restarts = 0
+        self.proposal_ring_bytes = self.sampled_rows_capped = 0
         self.drafter_state = ""
         self._last_log = time.monotonic()
         self._window = [0, 0.0, 0.0, 0, 0, 0]  # steps, round trip, compute, draft tokens, lookups, hits
@@ -305,6 +315,20 @@ class SaguaroMetrics:
         if self.prom:
             self.prom["failures"].labels(reason=reason).inc()
 
+    def on_ring(self, nbytes: int) -> None:
+        """The proposal ring's reserved bytes (0: no ring), set once when the proposer creates it."""
+        self.proposal_ring_bytes = nbytes
+        self.prom = _prometheus()
+        if self.prom:
+            self.prom["ring_bytes"].set(nbytes)
+
+    def on_capped(self, rows: int) -> None:
+        """Sampled rows left without drafts this step by the ring's rows (logged once by the proposer)."""
+        self.sampled_rows_capped += rows
+        self.prom = _prometheus()
+        if self.prom:
+            self.prom["capped"].inc(rows)
+
     def on_drafter_restart(self) -> None:
         self.restarts += 1
         self.prom = _prometheus()
@@ -352,5 +376,6 @@ class SaguaroMetrics:
             "drafter_state": self.drafter_state, "sampled_drafts": self.sampled_drafts,
             "scaled_drafts": self.scaled_drafts, "scale_sum": self.scale_sum, "fork_copies": self.fork_copies,
             "branch_blocks": self.branch_blocks, "depth": self.depth,
+            "proposal_ring_bytes": self.proposal_ring_bytes, "sampled_rows_capped": self.sampled_rows_capped,
             "speculating": not self.watch.stalled, "rows_undrafted": self.rows_undrafted,
         }

@@ -7,8 +7,10 @@ there is one), and the step answer names only the slot and which row each slot r
 vLLM's `shm_broadcast.ShmRingBuffer`: fixed-size slots plus a small header of per-slot flags, each flag
 moved by one side only, so no lock is needed.
 
-Slot layout: float32 `[rows, K, vocab]` (rows = the engine's `max_num_seqs`), preceded by a header of
-`slots` records `(state, seq)` (int64 each). Ownership of a slot:
+Slot layout: float32 `[rows, K, vocab]` (rows: `ring_rows`, at most `saguaro.max_sampled_rows`, 256 by
+default, and at most the engine's `max_num_seqs`), preceded by a header of `slots` records `(state, seq)`
+(int64 each). The file is sparse and never pre-touched: memory is used only by the rows written so far,
+i.e. by what the largest sampled batch needed. Ownership of a slot:
 
     FREE    --drafter: acquire(seq)-->  WRITING  --drafter: publish()-->  HELD  --proposer: release_held()--> FREE
 
@@ -23,10 +25,20 @@ Slot layout: float32 `[rows, K, vocab]` (rows = the engine's `max_num_seqs`), pr
   sampled rows no drafts that step (exact: vLLM then decodes them normally) instead of overwriting.
 
 Only rows with sampled drafts occupy slot rows (compactly, from row 0); greedy rows of the same batch get
-one-hot rows after them, written by the proposer in the slot it holds (`assemble`).
+one-hot rows after them, written by the proposer in the slot it holds (`assemble`). So a step whose rows
+with drafts outnumber the slot's rows while one of them is sampled cannot hand vLLM every row's q: the
+drafter keeps the sampled rows that fit beside the deterministic ones (`fit_rows`) and gives the others no
+drafts that step (exact, just slower); the answer counts them (`probs_capped`).
+
+Where the file lives (`ring_dir`): `/dev/shm` when it can hold the ring's worst case (every row of both
+slots written), else the temp dir when that can (a disk-backed file: the same memory in the page cache, plus
+writeback), else nowhere: the front end refuses the config (resolve.py) before any engine process starts,
+and `create` re-checks the directory the front end chose. A sparse file on a full filesystem kills the
+process that writes a new page with SIGBUS instead of raising, hence the check of the worst case.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import shutil
@@ -42,19 +54,74 @@ HEADER_FIELDS = 2  # (state, seq) per slot, int64
 PAGE = 4096
 
 
-def _base_dir(size: int) -> str:
-    """`/dev/shm` (memory-backed) when it can hold `size` bytes, else the temp dir: a sparse file grows only
-    as rows are written, and a full tmpfs would kill the writer with SIGBUS instead of an error (containers
-    often give /dev/shm only 64 MiB)."""
-    for d in ("/dev/shm", tempfile.gettempdir()):
-        try:
-            st = os.statvfs(d)
-        except OSError:
-            continue
-        if os.access(d, os.W_OK) and st.f_bavail * st.f_frsize >= size:
-            return d
-    raise OSError(f"proposal ring: no directory with {size / 2**30:.1f} GiB free for the sampled rows' "
-                  "probabilities (/dev/shm or the temp dir); lower max_num_seqs or free space")
+#: `saguaro.max_sampled_rows: "auto"`: rows of the ring (at most `max_num_seqs`), see docs/configuration.md.
+AUTO_MAX_SAMPLED_ROWS = 256
+SLOTS = 2
+#: Where the ring may go, in order of preference (the temp dir is appended at run time).
+SHM_DIR = "/dev/shm"
+
+
+def ring_rows(max_sampled_rows: int | str, max_num_seqs: int) -> int:
+    """Rows of each slot: the cap `max_sampled_rows` ("auto": 256), never more than a step can have."""
+    cap = AUTO_MAX_SAMPLED_ROWS if max_sampled_rows == "auto" else int(max_sampled_rows)
+    return max(0, min(cap, int(max_num_seqs)))
+
+
+def ring_bytes(rows: int, k: int, vocab: int, slots: int = SLOTS) -> int:
+    """The file's size (the header page plus every slot): what a ring whose every row was written uses."""
+    return _header_bytes(slots) + slots * rows * k * vocab * 4
+
+
+def _header_bytes(slots: int) -> int:
+    return -(-slots * HEADER_FIELDS * 8 // PAGE) * PAGE
+
+
+def free_bytes(directory: str) -> int | None:
+    """Space an unprivileged writer may still use in `directory` (None: not a writable directory)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def candidate_dirs() -> list[str]:
+    return [SHM_DIR, tempfile.gettempdir()]
+
+
+def ring_dir(size: int) -> tuple[str | None, dict[str, int | None]]:
+    """(the first of /dev/shm and the temp dir with `size` bytes free, or None; the free bytes of each)."""
+    free = {d: free_bytes(d) for d in candidate_dirs()}
+    return next((d for d, b in free.items() if b is not None and b >= size), None), free
+
+
+def gib(n: float) -> str:
+    """A byte count for messages: GiB, MiB or KiB."""
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def shortage_message(rows: int, k: int, vocab: int, free: dict[str, int | None], field: str,
+                     slots: int = SLOTS) -> str:
+    """Why no directory can hold the ring, and the fixes (front end and proposer say the same)."""
+    size = ring_bytes(rows, k, vocab, slots)
+    where = ", ".join(f"{d}: {'not a writable directory' if b is None else gib(b) + ' free'}"
+                      for d, b in free.items())
+    per_row = slots * k * vocab * 4
+    best = max((b for b in free.values() if b is not None), default=0)
+    fit = max(0, (best - _header_bytes(slots)) // per_row)
+    smaller = (f"lower {field} to {fit} (what fits now; sampled rows beyond it in a step get no drafts)"
+               if fit else f"set {field} to 0 (sampled requests then get no drafts; greedy ones still do)")
+    return (f"{field}: the proposal ring (sampled rows' draft probabilities, shared between the target worker "
+            f"and the drafter) needs up to {gib(size)} ({slots} slots x {rows} rows x K={k} x vocab {vocab} x 4 "
+            f"B), more than any place for it has ({where}). Fixes: give the container more shared memory "
+            f"(docker run --shm-size={math.ceil(size / 2**30) + 1}g, or --ipc=host; Kubernetes: an emptyDir "
+            f"with medium Memory on /dev/shm), or {smaller}, or free space in the temp dir (TMPDIR). The file "
+            "is sparse (memory is used only by the rows written), but a full filesystem would kill the writer "
+            "with SIGBUS, so the worst case must fit")
 
 
 class ProposalRing:
@@ -70,8 +137,8 @@ class ProposalRing:
                              f"{slots})")
         self.path, self.rows, self.k, self.vocab, self.slots, self.owner = path, rows, k, vocab, slots, owner
         self.slot_floats = rows * k * vocab
-        header_bytes = -(-slots * HEADER_FIELDS * 8 // PAGE) * PAGE
-        size = header_bytes + slots * self.slot_floats * 4
+        header_bytes = _header_bytes(slots)
+        size = self.nbytes = ring_bytes(rows, k, vocab, slots)
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if owner else 0), 0o600)
         try:
             if owner:
@@ -91,10 +158,21 @@ class ProposalRing:
 
     # ---- construction ---------------------------------------------------------------------------------
     @classmethod
-    def create(cls, rows: int, k: int, vocab: int, slots: int = 2, base_dir: str | None = None) -> ProposalRing:
-        """A new ring in a fresh private (0700) directory; the caller owns it and must `close` it."""
-        size = PAGE + slots * rows * k * vocab * 4
-        d = tempfile.mkdtemp(prefix="saguaro-probs-", dir=base_dir or _base_dir(size))
+    def create(cls, rows: int, k: int, vocab: int, slots: int = SLOTS, base_dir: str | None = None,
+               field: str = "saguaro.max_sampled_rows") -> ProposalRing:
+        """A new ring in a fresh private (0700) directory of `base_dir` (default: `ring_dir`'s choice); the
+        caller owns it and must `close` it. Raises OSError (naming `field` and the fixes) when the directory
+        cannot hold the ring's worst case. The file is sparse and nothing is pre-touched."""
+        size = ring_bytes(rows, k, vocab, slots)
+        if base_dir is None:
+            base_dir, free = ring_dir(size)
+        else:
+            free = {base_dir: free_bytes(base_dir)}
+            if free[base_dir] is None or free[base_dir] < size:
+                base_dir = None
+        if base_dir is None:
+            raise OSError(shortage_message(rows, k, vocab, free, field, slots))
+        d = tempfile.mkdtemp(prefix="saguaro-probs-", dir=base_dir)
         os.chmod(d, 0o700)
         try:
             return cls(os.path.join(d, "ring"), rows, k, vocab, slots, owner=True)
@@ -110,6 +188,15 @@ class ProposalRing:
 
     def spec(self) -> dict:
         return {"path": self.path, "rows": self.rows, "k": self.k, "vocab": self.vocab, "slots": self.slots}
+
+    def describe(self) -> str:
+        """One phrase for the start-up log line: where, the shape and the reserved bytes."""
+        return (f"{os.path.dirname(os.path.dirname(self.path))}, {self.slots} slots x {self.rows} rows x K={self.k} "
+                f"x vocab {self.vocab} float32 = {gib(self.nbytes)} ({self.nbytes} bytes) reserved")
+
+    def resident_bytes(self) -> int:
+        """Bytes the file uses now (the rows written so far; sparse holes use nothing)."""
+        return os.stat(self.path).st_blocks * 512
 
     def close(self) -> None:
         """Unmap; the owner also removes the file and its directory. Views handed out must be dropped first."""
@@ -237,6 +324,18 @@ def assemble(slot: torch.Tensor, prob_rows: Sequence[int], drafts: Sequence[Sequ
         block.zero_()
         block[draft_positions([list(drafts[j])[:k] for j in greedy])] = 1.0
     return slot[: len(rows)], rows
+
+
+def fit_rows(sampled: Sequence[int], drafts: Sequence[Sequence[int]], rows: int) -> tuple[list[int], list[int]]:
+    """(kept, dropped): the sampled rows (rows of `drafts` with q, in slot order) that one slot of `rows` rows
+    holds beside a one-hot row for every other row with drafts (`assemble`), and the rest, which must lose
+    their drafts this step. Dropping sampled rows rather than deterministic ones loses the fewest rows'
+    drafts: the one-hot rows are needed only while a sampled row is in the slot, so with more deterministic
+    rows than the slot has, dropping every sampled row keeps all the others."""
+    chosen = set(sampled)
+    others = sum(1 for j, d in enumerate(drafts) if d and j not in chosen)
+    room = max(0, rows - others)
+    return list(sampled[:room]), list(sampled[room:])
 
 
 def draft_positions(drafts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

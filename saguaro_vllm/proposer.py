@@ -19,7 +19,7 @@ from saguaro_vllm.config import ADDITIONAL_CONFIG_KEY
 from saguaro_vllm.drafter_client import DrafterClient, DrafterUnavailable
 from saguaro_vllm.drafter_policy import ResyncBackoff
 from saguaro_vllm.metrics import SaguaroMetrics
-from saguaro_vllm.proposal_buffers import ProposalRing, assemble, draft_positions
+from saguaro_vllm.proposal_buffers import ProposalRing, assemble, draft_positions, fit_rows, ring_rows
 from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
 
 
@@ -52,6 +52,7 @@ class SaguaroProposer:
         self._last_probs: torch.Tensor | None = None
         self._last_prob_req_ids: list[str] | None = None  # the request of each row of `_last_probs`
         self.ring: ProposalRing | None = None
+        self._capped_logged = False
         self._generation = 0
         self.resync_backoff = ResyncBackoff()  # counted in `propose` calls with a ready drafter
         self._calls = 0
@@ -60,10 +61,27 @@ class SaguaroProposer:
         if self.cfg.get("target_cores"):
             self._pin_target(self._rank_cores())
         if self._is_output_rank():
-            # Sampled rows' q comes through shared memory, not the socket (proposal_buffers.py).
-            self.ring = ProposalRing.create(rows=_max_rows(vllm_config), k=self.k, vocab=self.vocab_size)
-            self.cfg["proposal_ring"] = self.ring.spec()
+            self._create_ring(vllm_config)
             self.client = DrafterClient(self.cfg, self.logger, metrics=self.metrics, vocab_size=self.vocab_size)
+
+    def _create_ring(self, vllm_config: Any) -> None:
+        """Sampled rows' q comes through shared memory, not the socket (proposal_buffers.py): a ring of
+        `ring_rows` rows in the directory the front end checked (resolve.py), one log line, one gauge."""
+        max_num_seqs = _max_rows(vllm_config)
+        cap = self.cfg.get("saguaro", {}).get("max_sampled_rows", "auto")
+        rows = ring_rows(cap, max_num_seqs)
+        if rows == 0:
+            self.logger.info("Saguaro: no proposal ring (saguaro.max_sampled_rows 0): sampled requests get no "
+                             "drafts, greedy ones do")
+            self.metrics.on_ring(0)
+            return
+        self.ring = ProposalRing.create(rows=rows, k=self.k, vocab=self.vocab_size,
+                                        base_dir=self.cfg.get("proposal_ring_dir"))
+        self.cfg["proposal_ring"] = self.ring.spec()
+        self.logger.info("Saguaro: proposal ring for sampled rows' probabilities in %s (max_num_seqs %d, "
+                         "saguaro.max_sampled_rows %s); a sparse file: memory is used only by the rows "
+                         "written", self.ring.describe(), max_num_seqs, cap)
+        self.metrics.on_ring(self.ring.nbytes)
 
     def _rank_cores(self) -> list[int]:
         """CPU: this worker's own cores: its slice of the per-rank lists (one list per local rank, the
@@ -191,8 +209,11 @@ class SaguaroProposer:
             self.resync_backoff.on_resync(rid, self._calls)
         for j, i in enumerate(row_index):
             drafts[i] = resp.drafts[j][: self.k]
+        capped = resp.probs_capped
         if resp.probs_slot >= 0:
-            self._take_probs(resp, drafts, row_index, req_ids)
+            capped += self._take_probs(resp, drafts, row_index, req_ids)
+        if capped:
+            self._on_capped(capped, sum(1 for d in drafts if d))
         self.metrics.on_step(time.perf_counter() - t0, resp.compute_s, len(rows),
                              sum(len(d) for d in drafts), resp.live_requests, resp.free_blocks,
                              resp.row_status, resp.row_depth, resp.ssd,
@@ -209,14 +230,27 @@ class SaguaroProposer:
         self.resync_backoff.clear()
         return True
 
-    def _take_probs(self, resp: Any, drafts: list[list[int]], row_index: list[int], req_ids: list[str]) -> None:
+    def _on_capped(self, capped: int, drafted: int) -> None:
+        """Sampled rows left without drafts because the ring has too few rows: counted, logged once."""
+        self.metrics.on_capped(capped)
+        if not self._capped_logged:
+            self._capped_logged = True
+            self.logger.warning(
+                "Saguaro: %d sampled rows got no drafts this step: the proposal ring has %d rows "
+                "(saguaro.max_sampled_rows) and, while a sampled row is verified, every drafted row of the step "
+                "needs one (%d drafted rows kept); output is unaffected (those rows decode without "
+                "speculation). Further occurrences are only counted (vllm:saguaro_sampled_rows_capped_total); "
+                "raise saguaro.max_sampled_rows if it grows", capped, self.ring.rows if self.ring else 0, drafted)
+
+    def _take_probs(self, resp: Any, drafts: list[list[int]], row_index: list[int], req_ids: list[str]) -> int:
         """The rejection sampler's q for this step from the slot the drafter wrote (no copy on CPU, one
         contiguous copy to other devices); one-hot rows for greedy drafts of the same batch. A slot that is
         not held with this answer, or a drafted token its q gives 0, drops the sampled rows' drafts instead
-        (exact: they are decoded without speculation this step)."""
+        (exact: they are decoded without speculation this step). Sampled rows that do not fit in the slot
+        beside the one-hot rows (the drafter already leaves none) lose their drafts too: returns how many."""
         row_drafts = [drafts[i] for i in row_index]
         slot, rows = resp.probs_slot, resp.probs_rows
-        ok = self.ring.held(slot, resp.step)
+        ok = self.ring is not None and self.ring.held(slot, resp.step)
         if ok:
             buf = self.ring.slot(slot)
             ok = bool((buf[draft_positions([row_drafts[j] for j in rows])] > 0).all())
@@ -225,16 +259,22 @@ class SaguaroProposer:
                                 "draft without probability); its sampled rows get no drafts", resp.step, slot)
             for j in rows:
                 drafts[row_index[j]] = []
-            return
+            return 0
+        rows, capped = fit_rows(rows, row_drafts, self.ring.rows)
+        for j in capped:
+            drafts[row_index[j]] = row_drafts[j] = []
+        if not rows:
+            return len(capped)
         probs, answer_rows = assemble(buf, rows, row_drafts, self.k)
         if probs.device != self.runner.device:
             probs = probs.to(self.runner.device)
         self._last_probs = probs
         self._last_prob_req_ids = [req_ids[row_index[j]] for j in answer_rows]
+        return len(capped)
 
 
 def _max_rows(vllm_config: Any) -> int:
-    """Rows a step can have: the scheduler's `max_num_seqs` (vLLM's default, 256, for configs without a
-    scheduler section, e.g. reduced test configs)."""
+    """Rows a step can have: the scheduler's `max_num_seqs` (256 for configs without a scheduler section,
+    e.g. reduced test configs). The ring's rows are at most this (`ring_rows`)."""
     scheduler = getattr(vllm_config, "scheduler_config", None)
     return int(getattr(scheduler, "max_num_seqs", None) or 256)

@@ -271,11 +271,47 @@ def cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+RING_FIELD = "speculative_config.saguaro.max_sampled_rows"
+
+
+def resolve_proposal_ring(cfg: SaguaroConfig, vocab_size: int, max_num_seqs: int | None) -> dict[str, Any]:
+    """Where the proposal ring (sampled rows' q, proposal_buffers.py) will go, checked for its worst case.
+
+    Rows: `ring_rows(max_sampled_rows, max_num_seqs)`, the formula the proposer uses (`max_num_seqs` None:
+    not known yet, so the cap alone, an upper bound). Requests choose their own temperature, so any engine
+    may sample: the ring is needed unless `max_sampled_rows` is 0. Its file is sparse, but a filesystem that
+    fills up kills the writer with SIGBUS, so the worst case (every row of both slots written) must fit:
+    in /dev/shm, else in the temp dir (a disk-backed file: a start-up warning), else the config is refused,
+    naming the size, the space and the fixes. Returns `{"dir", "rows", "bytes"}` (dir None: no ring)."""
+    from saguaro_vllm.proposal_buffers import SHM_DIR, gib, ring_bytes, ring_dir, ring_rows, shortage_message
+
+    k = cfg.num_speculative_tokens
+    rows = ring_rows(cfg.saguaro.max_sampled_rows, max_num_seqs if max_num_seqs is not None else 2**31)
+    if rows == 0:
+        return {"dir": None, "rows": 0, "bytes": 0}
+    size = ring_bytes(rows, k, vocab_size)
+    directory, free = ring_dir(size)
+    if directory is None:
+        raise SaguaroConfigError(shortage_message(rows, k, vocab_size, free, RING_FIELD) + ".")
+    if directory != SHM_DIR:
+        shm = free.get(SHM_DIR)
+        logger.warning(
+            "Saguaro: %s cannot hold the proposal ring's worst case (%s for %d rows x K=%d x vocab %d; %s), so "
+            "it goes to a file in %s (usually disk-backed: the same memory in the page cache, plus writeback). "
+            "Give the container more shared memory (docker run --shm-size=%dg, or --ipc=host) to keep it in "
+            "memory, or lower saguaro.max_sampled_rows", SHM_DIR, gib(size), rows, k, vocab_size,
+            "not a writable directory" if shm is None else f"{gib(shm)} free", directory,
+            -(-size // 2**30) + 1)
+    return {"dir": directory, "rows": rows, "bytes": size}
+
+
 def resolve_for_engine(cfg: SaguaroConfig, target_model_config: Any, tp_size: int,
-                       is_cpu_platform: bool, pp_size: int = 1) -> dict[str, Any]:
-    """Everything the proposer and drafter need, as a plain JSON-able dict; sets the target's CPU binding."""
+                       is_cpu_platform: bool, pp_size: int = 1, max_num_seqs: int | None = None) -> dict[str, Any]:
+    """Everything the proposer and drafter need, as a plain JSON-able dict; sets the target's CPU binding.
+    `max_num_seqs`: the engine's (or an upper bound of vLLM's default), which bounds the proposal ring."""
     draft_dir = resolve_draft_path(cfg.model)
     info = check_draft(draft_dir, target_model_config)
+    ring = resolve_proposal_ring(cfg, info["vocab_size"], max_num_seqs)
     device = resolve_device(cfg, is_cpu_platform, tp_size, pp_size)
     draft_cores: list[int] = []
     rank_cores: list[list[int]] = []
@@ -311,5 +347,6 @@ def resolve_for_engine(cfg: SaguaroConfig, target_model_config: Any, tp_size: in
         dtype=dtype,
         vocab_size=info["vocab_size"],
         architecture=info["architecture"],
+        proposal_ring_dir=ring["dir"],  # checked here for the ring's worst case; the proposer creates it there
     )
     return resolved

@@ -105,6 +105,9 @@ class StepResponse(msgspec.Struct, tag="reply", forbid_unknown_fields=True):
     #: for each of its rows, in order, the row of `drafts` it belongs to (q for all of that row's drafts).
     probs_slot: int = -1
     probs_rows: list[NonNegInt] = []
+    #: Sampled rows that got no drafts this step because the slot had no row left for their q beside the
+    #: one-hot rows of the step's other drafted rows (`saguaro.max_sampled_rows`; proposal_buffers.fit_rows).
+    probs_capped: NonNegInt = 0
 
 
 class Ready(msgspec.Struct, tag="ready", forbid_unknown_fields=True):

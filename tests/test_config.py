@@ -140,6 +140,8 @@ BAD = [
      "disjoint"),
     ({"saguaro": {"kv_cache_gb": 1e-9}}, "speculative_config.saguaro.kv_cache_gb:", "holds no KV block"),
     ({"saguaro": {"block_size": 7}}, "speculative_config.saguaro.block_size:", "one of 8, 16, 32, 64, 128"),
+    ({"saguaro": {"max_sampled_rows": -1}}, "speculative_config.saguaro.max_sampled_rows:", 'or "auto"'),
+    ({"saguaro": {"max_sampled_rows": "64"}}, "speculative_config.saguaro.max_sampled_rows:", "integer >= 0"),
     # async-only options with mode sync
     ({"saguaro": {"mode": "sync", "fanout_budget": 2}},
      "speculative_config.saguaro.fanout_budget: only used with mode 'async'",
@@ -251,3 +253,75 @@ def test_arg_loader_errors(tmp_path):
 def test_parse_defaults():
     cfg = parse_speculative_config({"method": "saguaro", "model": "x", "num-speculative-tokens": 5})[0]
     assert cfg.saguaro.mode == "async" and cfg.saguaro.block_size == 16
+
+
+# ---- the proposal ring's shared memory, checked in the front end ---------------------------------------
+def _space(monkeypatch, shm: int | None, tmp: int | None):
+    """The ring's space check sees `shm` bytes free in /dev/shm and `tmp` in the temp dir (None: none)."""
+    import tempfile
+
+    from saguaro_vllm import proposal_buffers
+
+    free = {"/dev/shm": shm, tempfile.gettempdir(): tmp}
+    monkeypatch.setattr(proposal_buffers, "free_bytes", lambda d: free.get(d))
+
+
+def _ring_cfg(**opts):
+    return parse_speculative_config({"method": "saguaro", "model": "x", "num_speculative_tokens": 5,
+                                     "saguaro": opts})[0]
+
+
+def test_ring_that_fits_nowhere_is_refused_naming_size_space_and_fixes(monkeypatch):
+    from saguaro_vllm.resolve import resolve_proposal_ring
+
+    _space(monkeypatch, 64 * 2**20, 32 * 2**20)  # Docker's default /dev/shm, a small temp dir
+    with pytest.raises(SaguaroConfigError) as err:
+        resolve_proposal_ring(_ring_cfg(), 128256, max_num_seqs=1024)
+    msg = str(err.value)
+    assert msg.startswith("speculative_config.saguaro.max_sampled_rows: the proposal ring")
+    assert "1.22 GiB (2 slots x 256 rows x K=5 x vocab 128256 x 4 B)" in msg  # 256 rows (auto), not 1024
+    assert "/dev/shm: 64.0 MiB free" in msg and "32.0 MiB free" in msg
+    assert "docker run --shm-size=3g" in msg and "max_sampled_rows to 13" in msg
+    _space(monkeypatch, 2**20, None)
+    with pytest.raises(SaguaroConfigError, match="set speculative_config.saguaro.max_sampled_rows to 0"):
+        resolve_proposal_ring(_ring_cfg(), 128256, max_num_seqs=1024)
+
+
+def test_ring_check_uses_the_ring_that_will_be_built(monkeypatch, caplog):
+    import tempfile
+
+    from saguaro_vllm.resolve import resolve_proposal_ring
+
+    _space(monkeypatch, 64 * 2**20, 32 * 2**20)
+    assert resolve_proposal_ring(_ring_cfg(max_sampled_rows=12), 128256, 1024) == {
+        "dir": "/dev/shm", "rows": 12, "bytes": 4096 + 2 * 12 * 5 * 128256 * 4}
+    assert resolve_proposal_ring(_ring_cfg(), 128256, 8)["rows"] == 8  # max_num_seqs 8: 8 rows
+    assert resolve_proposal_ring(_ring_cfg(max_sampled_rows=0), 128256, 1024) == {"dir": None, "rows": 0,
+                                                                                 "bytes": 0}  # no ring
+    _space(monkeypatch, 64 * 2**20, 10 * 2**30)  # /dev/shm too small, the temp dir not: there, with a warning
+    with caplog.at_level("WARNING", logger="vllm.saguaro"):
+        ring = resolve_proposal_ring(_ring_cfg(), 128256, None)
+    assert ring["dir"] == tempfile.gettempdir() and ring["rows"] == 256
+    assert "--shm-size=3g" in caplog.text
+
+
+def test_engine_args_refuse_a_ring_that_does_not_fit(tiny_pair, monkeypatch):
+    """Through vLLM's own front end: refused before any engine process starts; with vLLM's max_num_seqs
+    left unset the check assumes its largest default, and the chosen directory reaches the workers."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, draft = tiny_pair
+    vocab = json.loads((pathlib.Path(draft) / "config.json").read_text())["vocab_size"]
+    spec = {"method": "saguaro", "model": draft, "num_speculative_tokens": 3, "saguaro": {"mode": "sync"}}
+
+    def create(**kw):
+        return EngineArgs(model=target, speculative_config=dict(spec), enforce_eager=True,
+                          max_model_len=TARGET_MAX_LEN, dtype="float32", **kw).create_engine_config()
+
+    _space(monkeypatch, 4096 + 2 * 8 * 3 * vocab * 4, None)  # room for 8 rows exactly
+    with pytest.raises(SaguaroConfigError, match=r"x 256 rows x K=3 .*/dev/shm: .* free.*--shm-size"):
+        create()
+    _assert_no_engine_started()
+    cfg = create(max_num_seqs=8)
+    assert cfg.additional_config["saguaro"]["proposal_ring_dir"] == "/dev/shm"
+    assert cfg.scheduler_config.max_num_seqs == 8

@@ -11,8 +11,18 @@ import numpy as np
 import pytest
 import torch
 
+from saguaro_vllm import proposal_buffers
 from saguaro_vllm.drafter.sampling import sample_proposals, sample_rows
-from saguaro_vllm.proposal_buffers import FREE, WRITING, ProposalRing, SlotWriter, assemble
+from saguaro_vllm.proposal_buffers import (
+    FREE,
+    WRITING,
+    ProposalRing,
+    SlotWriter,
+    assemble,
+    fit_rows,
+    ring_bytes,
+    ring_rows,
+)
 from saguaro_vllm.transport import SamplingSpec
 
 
@@ -194,3 +204,145 @@ def test_sample_rows_is_exact_and_reproducible():
         assert chi2 < 20.0, (row, counts.tolist())  # 1-3 degrees of freedom: p < 2e-4 by chance
     again = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
     assert torch.equal(torch.stack([sample_rows(q, again) for _ in range(50)]), draws[:50])
+
+
+# ---- sizing: the ring's rows come from saguaro.max_sampled_rows, its memory from the rows written ----------
+def test_ring_rows_come_from_the_cap_not_max_num_seqs():
+    assert ring_rows("auto", 1024) == 256 and ring_rows("auto", 32) == 32
+    assert ring_rows(64, 1024) == 64 and ring_rows(4096, 1024) == 1024 and ring_rows(0, 1024) == 0
+    assert ring_bytes(256, 5, 128256) == 4096 + 2 * 256 * 5 * 128256 * 4  # 1.31 GB, not 5.25 GB at 1024 rows
+
+
+def test_a_large_ring_uses_only_what_the_batch_wrote():
+    """A ring for max_num_seqs 1024, K 5, vocab 128256 reserves its slots but allocates, after a 16-row
+    sampled batch, about what those 16 rows need (the file is sparse and nothing is pre-touched)."""
+    k, vocab = 5, 128256
+    rows = ring_rows("auto", 1024)
+    if proposal_buffers.ring_dir(ring_bytes(rows, k, vocab))[0] is None:
+        pytest.skip("neither /dev/shm nor the temp dir can hold this ring's worst case here")
+    ring = ProposalRing.create(rows=rows, k=k, vocab=vocab)
+    try:
+        assert ring.nbytes == os.stat(ring.path).st_size == ring_bytes(rows, k, vocab)
+        assert ring.resident_bytes() <= 64 * 1024  # created: (at most) the header page
+        w = SlotWriter(ProposalRing.attach(ring.spec()), seq=1)
+        q = torch.full((k, vocab), 1.0 / vocab)
+        for j in range(16):
+            w.put(j, q)
+        _, written = w.finish()
+        assert written == list(range(16))
+        need = 16 * k * vocab * 4  # 41 MB
+        used = ring.resident_bytes()
+        assert need <= used <= need + 2 * 2**20, (used, need)  # plus the header and page/extent rounding
+        assert used < ring.nbytes / 25
+    finally:
+        ring.close()
+
+
+def _fake_statvfs(monkeypatch, free: dict[str, int]):
+    """os.statvfs reporting `free` bytes for the given directories (others as they are)."""
+    real = os.statvfs
+
+    class Fake:
+        def __init__(self, n):
+            self.f_bavail, self.f_frsize = n // 4096, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda d: Fake(free[d]) if d in free else real(d))
+
+
+def test_create_refuses_a_directory_that_cannot_hold_the_worst_case(monkeypatch, tmp_path):
+    import tempfile
+
+    _fake_statvfs(monkeypatch, {"/dev/shm": 64 * 2**20, tempfile.gettempdir(): 64 * 2**20, str(tmp_path): 2**20})
+    with pytest.raises(OSError) as err:
+        ProposalRing.create(rows=256, k=5, vocab=128256)
+    msg = str(err.value)
+    assert "saguaro.max_sampled_rows" in msg and "1.22 GiB" in msg and "/dev/shm: 64.0 MiB free" in msg
+    assert "--shm-size=3g" in msg and "lower saguaro.max_sampled_rows to 13" in msg
+    with pytest.raises(OSError, match="1.0 MiB free"):  # the directory the front end chose: re-checked
+        ProposalRing.create(rows=256, k=5, vocab=128256, base_dir=str(tmp_path))
+    small = ProposalRing.create(rows=1, k=5, vocab=1000)  # a ring that fits is created
+    assert os.path.dirname(os.path.dirname(small.path)) == "/dev/shm" or not os.path.isdir("/dev/shm")
+    small.close()
+
+
+def test_sampled_rows_that_do_not_fit_beside_the_drafted_rows_are_capped():
+    # 3 sampled rows (0, 1, 2), 2 greedy rows with drafts (3, 4), one without (5); a 4-row slot keeps 2.
+    drafts = [[1], [2], [3], [4], [5], []]
+    assert fit_rows([0, 1, 2], drafts, 4) == ([0, 1], [2])
+    assert fit_rows([0, 1, 2], drafts, 8) == ([0, 1, 2], [])
+    assert fit_rows([0, 1], [[1], [2], [3], [4]], 2) == ([], [0, 1])  # greedy rows fill the slot: none fits
+
+
+def test_drafter_and_proposer_cap_the_same_rows():
+    """The drafter publishes only the sampled rows that fit (the others lose their drafts, counted in the
+    answer), so the proposer assembles a tensor with one row per drafted row; a proposer that receives more
+    (an old drafter) applies the same rule, counts and logs once."""
+    import types
+
+    from saguaro_vllm.drafter.sync_drafter import SyncDrafter
+    from saguaro_vllm.metrics import SaguaroMetrics, saguaro_samples
+    from saguaro_vllm.proposer import SaguaroProposer
+    from saguaro_vllm.transport import StepResponse
+
+    k, vocab = 2, 11
+    ring = ProposalRing.create(rows=4, k=k, vocab=vocab)
+    drafter = SyncDrafter.__new__(SyncDrafter)  # only what `_publish_probs` reads
+    drafter.probs_ring, drafter.num_no_probs_slot = ProposalRing.attach(ring.spec()), 0
+    req = types.SimpleNamespace(step=1, rows=[types.SimpleNamespace(req_id=f"r{i}") for i in range(6)])
+    q = [torch.full((vocab,), 1.0 / vocab)] * k
+    drafts = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10], []]
+    slot, rows = drafter._publish_probs(req, drafts, {0: q, 1: q, 2: q}, None)
+    assert rows == [0, 1] and drafts[2] == [] and drafter.probs_capped == 1 and ring.held(slot, 1)
+    probs, answer_rows = assemble(ring.slot(slot), rows, drafts, k)
+    assert answer_rows == [0, 1, 3, 4] and probs.shape == (4, k, vocab)
+    ring.release_held()
+
+    logged = []
+    proposer = SaguaroProposer.__new__(SaguaroProposer)
+    proposer.ring, proposer.k, proposer._capped_logged = ring, k, False
+    proposer.runner = types.SimpleNamespace(device=torch.device("cpu"))
+    proposer.logger = types.SimpleNamespace(warning=lambda *a: logged.append(a), info=lambda *a: None)
+    proposer.metrics = SaguaroMetrics({}, proposer.logger)
+    w = SlotWriter(ProposalRing.attach(ring.spec()), seq=2)  # an old drafter: all 3 sampled rows published
+    for j in range(3):
+        w.put(j, torch.full((k, vocab), 1.0 / vocab))
+    slot, rows = w.finish()
+    drafts = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10], []]
+    resp = StepResponse(2, drafts, {}, 0.0, probs_slot=slot, probs_rows=rows)
+    capped = proposer._take_probs(resp, drafts, list(range(6)), [f"r{i}" for i in range(6)])
+    assert capped == 1 and drafts[2] == [] and proposer._last_prob_req_ids == ["r0", "r1", "r3", "r4"]
+    proposer._on_capped(capped, 4)
+    proposer._on_capped(2, 4)
+    assert len(logged) == 1 and "saguaro.max_sampled_rows" in logged[0][0]  # once, then only counted
+    assert proposer.metrics.snapshot()["sampled_rows_capped"] == 3
+    proposer.metrics.on_ring(ring.nbytes)
+    samples = saguaro_samples()
+    assert samples["vllm:saguaro_proposal_ring_bytes"] == ring.nbytes
+    assert samples["vllm:saguaro_sampled_rows_capped_total"] >= 3
+    proposer._last_probs = None
+    ring.close()
+
+
+@pytest.mark.engine
+def test_engine_with_a_small_ring_caps_sampled_rows_and_reports_the_ring(tiny_pair):
+    """A real engine whose ring (max_sampled_rows 2) is smaller than its sampled batch (6 rows): the rows
+    beyond it go without drafts (counted), the others are still verified with exact q, every request
+    completes, and /metrics carries the ring's reserved bytes."""
+    import json
+    import pathlib
+
+    from engine_runs import Job, run_engine
+
+    target, draft = tiny_pair
+    vocab = json.loads((pathlib.Path(draft) / "config.json").read_text())["vocab_size"]
+    spec = {"method": "saguaro", "model": draft, "num_speculative_tokens": 3,
+            "saguaro": {"mode": "sync", "max_sampled_rows": 2, "log_interval_s": 0}}
+    prompts = ["def f(x):\n    return", "the quick brown fox", "import os\nimport", "for i in range(",
+               "class A:\n    def", "print(\"hello"]
+    params = [{"temperature": 1.0, "seed": i, "max_tokens": 24, "ignore_eos": True} for i in range(6)]
+    run = run_engine(target, [Job("sampled", prompts, params)], speculative_config=spec,
+                     engine_kwargs={"max_num_seqs": 8})["sampled"]
+    assert run.saguaro["vllm:saguaro_proposal_ring_bytes"] == ring_bytes(2, 3, vocab)
+    assert run.counter("vllm:saguaro_sampled_rows_capped") > 0
+    assert run.spec.draft_tokens > 0 and run.spec.accepted > 0  # the rows that fit still speculate
+    assert [len(t) for t in run.token_ids] == [24] * 6

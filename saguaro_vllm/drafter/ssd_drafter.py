@@ -220,7 +220,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         resp = StepResponse(req.step, ans.drafts, {}, time.perf_counter() - t0, ans.resync,
                             live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
                             row_status=ans.status, row_depth=ans.depth, ssd=dataclasses.asdict(stats),
-                            probs_slot=probs_slot, probs_rows=probs_rows)
+                            probs_slot=probs_slot, probs_rows=probs_rows, probs_capped=self.probs_capped)
         self._predraft = SSDStats()
         return resp
 

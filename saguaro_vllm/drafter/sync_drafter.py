@@ -18,7 +18,7 @@ from saguaro_vllm.drafter.kv_cache import OutOfBlocksError
 from saguaro_vllm.drafter.room import NoRoomLog
 from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.sampling import request_generator, sample_proposals
-from saguaro_vllm.proposal_buffers import ProposalRing, SlotWriter
+from saguaro_vllm.proposal_buffers import ProposalRing, SlotWriter, fit_rows
 from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest, StepResponse
 
 logger = logging.getLogger("saguaro_vllm.drafter")
@@ -51,6 +51,7 @@ class SyncDrafter:
         self.keep_logits = keep_logits
         self.probs_ring = probs_ring
         self.num_no_probs_slot = 0
+        self.probs_capped = 0  # sampled rows of the last answer left without drafts by the ring's rows
         self.max_model_len = max_model_len
         self.reqs: dict[str, _ReqState] = {}
         #: rows (per step) that got no drafts, or fewer, because the KV cache had no room for them
@@ -206,7 +207,8 @@ class SyncDrafter:
         probs_slot, probs_rows = self._publish_probs(req, drafts, probs, writer)
         return StepResponse(req.step, drafts, {}, time.perf_counter() - t0, resync,
                             live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
-                            row_status=status, probs_slot=probs_slot, probs_rows=probs_rows)
+                            row_status=status, probs_slot=probs_slot, probs_rows=probs_rows,
+                            probs_capped=self.probs_capped)
 
     # ---- the K-step drafting loop (both modes) ------------------------------------------------------
     def _context_chunk(self, req_id: str, st: _ReqState) -> tuple[str, list[int], int]:
@@ -277,7 +279,9 @@ class SyncDrafter:
                        writer: SlotWriter | None = None) -> tuple[int, list[int]]:
         """Copy the sampled rows' q' into a proposal-ring slot (`writer`'s, or a new one; bitwise: the q'
         their tokens were drawn from); without a free slot those rows get no drafts this step (exact, just
-        slower)."""
+        slower). So do the sampled rows beyond what the slot holds beside a one-hot row per other drafted row
+        (`fit_rows`; the ring's rows are `saguaro.max_sampled_rows`): counted in `probs_capped`."""
+        self.probs_capped = 0
         rows = [i for i, p in probs.items() if p and drafts[i]]
         if writer is None:
             if not rows:
@@ -288,6 +292,11 @@ class SyncDrafter:
                 self._no_probs_slot(req.rows[i].req_id)
                 drafts[i] = []
             return -1, []
+        if rows:
+            rows, capped = fit_rows(rows, drafts, writer.ring.rows)
+            for i in capped:
+                drafts[i] = []
+            self.probs_capped = len(capped)
         try:
             for i in rows:
                 writer.put(i, probs[i][: len(drafts[i])])

@@ -44,6 +44,7 @@ def wrap_create_speculative_config(original):
             tp_size=target_parallel_config.tensor_parallel_size,
             pp_size=target_parallel_config.pipeline_parallel_size,
             is_cpu_platform=current_platform.is_cpu(),
+            max_num_seqs=_max_num_seqs_bound(self, target_parallel_config),
         )
         _check_lengths(resolved, target_model_config)
         if self.additional_config is None:
@@ -67,6 +68,22 @@ def wrap_create_speculative_config(original):
             self.speculative_config = raw
 
     return create_speculative_config
+
+
+def _max_num_seqs_bound(args, parallel_config) -> int | None:
+    """The engine's `max_num_seqs`, or, when the user left it to vLLM (which sets it only after this hook,
+    from the usage context this hook does not see), the largest of vLLM's defaults for this platform (doubled
+    in `performance_mode: throughput`): an upper bound, so the proposal ring check never passes a ring the
+    worker then cannot hold. None: unknown (the ring's cap alone bounds it)."""
+    if args.max_num_seqs is not None:
+        return int(args.max_num_seqs)
+    try:
+        world = parallel_config.tensor_parallel_size * parallel_config.pipeline_parallel_size
+        defaults = args.get_batch_defaults(world)[1]
+        bound = max(defaults.values())
+    except Exception:  # a vLLM without these defaults: rely on the cap
+        return None
+    return bound * (2 if getattr(args, "performance_mode", None) == "throughput" else 1)
 
 
 def _check_lengths(resolved: dict, target_model_config) -> None:
