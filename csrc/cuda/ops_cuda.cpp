@@ -1,8 +1,8 @@
 // Torch binding of the CUDA kernels (compiled only when torch has CUDA). Validates shapes and dtypes, then
 // calls the toolkit-only launchers of saguaro_cuda.h on the current stream.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "saguaro_cuda.h"
@@ -48,7 +48,7 @@ void write_kv_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   check(saguaro_cuda::write_kv(dtype_of(kv_cache), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
                                v.stride(1), kv_cache.data_ptr(), layout, slots.data_ptr<int64_t>(), k.size(0),
                                static_cast<int>(k.size(1)), static_cast<int>(k.size(2)),
-                               at::cuda::getCurrentCUDAStream()),
+                               c10::cuda::getCurrentCUDAStream()),
         "saguaro write_kv");
 }
 
@@ -77,7 +77,7 @@ at::Tensor branch_attention_cuda(const at::Tensor& query, const at::Tensor& kv_c
                                        ow.data_ptr<int32_t>(), dp.data_ptr<int32_t>(), st.data_ptr<int32_t>(),
                                        bs.data_ptr<int64_t>(), bs.size(1), out.data_ptr(), nq, static_cast<int>(H),
                                        static_cast<int>(Hkv), static_cast<int>(D), static_cast<float>(scale),
-                                       at::cuda::getCurrentCUDAStream()),
+                                       c10::cuda::getCurrentCUDAStream()),
         "saguaro branch_attention");
   return out;
 }
@@ -97,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor> select_candidates_cuda(const at::Tensor& scor
   check(saguaro_cuda::select_candidates(dtype_of(scores), scores.data_ptr(), scores.stride(0), scores.stride(1),
                                         scores.stride(2), B, K1, V, dr.data_ptr<int64_t>(), fo.data_ptr<int64_t>(),
                                         max_fanout, tokens.data_ptr<int64_t>(), values.data_ptr<float>(),
-                                        at::cuda::getCurrentCUDAStream()),
+                                        c10::cuda::getCurrentCUDAStream()),
         "saguaro select_candidates");
   return {tokens, values};
 }
@@ -117,7 +117,7 @@ at::Tensor proposal_probs_cuda(const at::Tensor& logits, const at::Tensor& tempe
   auto probs = at::empty({n, V}, x.options());
   check(saguaro_cuda::proposal_probs(x.data_ptr<float>(), tt.data_ptr<float>(), tk.data_ptr<int64_t>(),
                                      tp.data_ptr<float>(), sf.data_ptr<int64_t>(), lc.data_ptr<float>(), n, V,
-                                     probs.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
+                                     probs.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
         "saguaro proposal_probs");
   return probs;
 }

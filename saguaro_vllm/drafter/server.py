@@ -68,6 +68,7 @@ def build_drafter(cfg: dict):
     from saguaro_vllm.drafter.runner import DraftModelRunner
     from saguaro_vllm.drafter.ssd_drafter import SSDDrafter
     from saguaro_vllm.drafter.sync_drafter import SyncDrafter
+    from saguaro_vllm.ops import loader as ops_loader
 
     dtype = _dtype(cfg["dtype"])
     model = load_draft_model(cfg["draft_path"], dtype=dtype, device=cfg["device"])
@@ -87,7 +88,9 @@ def build_drafter(cfg: dict):
         _slow_down(runner, delay)
     mode = cfg["saguaro"].get("mode", "async")
     info = {"num_blocks": num_blocks, "mode": mode, "linear": linear, "warmed_rows": warmed_rows,
-            "warm_s": round(warm_s, 2)}
+            "warm_s": round(warm_s, 2),
+            # e.g. "attention=cpp sampling=cpp linear=packed (saguaro_ops, sources: package)"
+            "ops": ops_loader.summary(cfg["device"], linear=linear)}
     if mode == "async":
         return SSDDrafter(runner, vocab_size=cfg["vocab_size"], options=cfg["saguaro"],
                           max_model_len=cfg.get("max_model_len")), info
