@@ -67,12 +67,15 @@ class SaguaroOptions(BaseModel):
         "auto", description="Draft weights and KV dtype. `auto`: on CPU bfloat16 where the CPU has bf16 "
         "matrix instructions (AVX512-BF16 or AMX), else float32; the target's dtype on GPU."
     )
-    linear: Literal["auto", "plain", "packed", "int8"] = Field(
+    linear: Literal["auto", "plain", "packed", "onednn", "int8"] = Field(
         "auto", description="The matmul path of the draft's linear layers. `plain`: `F.linear`. `packed`: CPU, "
-        "bfloat16: oneDNN with weights pre-packed once at load (same numerics, ~1.4x faster). `int8`: CPU: "
+        "bfloat16: oneDNN with weights pre-packed once at load (same numerics, ~1.4x faster). `onednn`: CPU, "
+        "float32 or bfloat16: vLLM's own CPU GEMM (`torch.ops._C.onednn_mm`, a pre-packed oneDNN handler per "
+        "layer, as vLLM's CPU runner uses; 1.4-3x faster than `F.linear` from 2 rows on). `int8`: CPU: "
         "int8 weights per output channel, activations quantized per call (fbgemm; 2-3x faster at 1-13 rows, "
         "a slightly different draft, so acceptance may change; output stays exact). `auto`: `packed` for a "
-        "bfloat16 drafter on CPU, else `plain`."
+        "bfloat16 drafter on CPU where oneDNN's bf16 path runs, else `onednn` on CPU where vLLM's CPU build is "
+        "installed, else `plain`."
     )
     block_size: int = Field(16, description="Tokens per block of the drafter's paged KV cache.")
     kv_cache_gb: float = Field(

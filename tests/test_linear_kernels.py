@@ -16,6 +16,7 @@ from saguaro_vllm.drafter.model.linear_kernels import (
     EXACT_ROWS,
     install_linear_kernel,
     int8_available,
+    onednn_available,
     packed_available,
     padded_rows,
     resolve_linear,
@@ -28,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 needs_packed = pytest.mark.skipif(not packed_available(), reason="oneDNN packed bf16 linear unavailable (torch build or CPU)")
 needs_int8 = pytest.mark.skipif(not int8_available(), reason="torch built without fbgemm")
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="vLLM's CPU GEMM (torch.ops._C.onednn_mm) unavailable")
 
 
 def _layer(kind: str, bias: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor | None]:
@@ -43,6 +45,8 @@ def _layer(kind: str, bias: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, 
 
 @pytest.mark.parametrize("kernel,dtype,tol", [
     pytest.param("packed", torch.bfloat16, 2e-2, marks=needs_packed),
+    pytest.param("onednn", torch.float32, 1e-5, marks=needs_onednn),
+    pytest.param("onednn", torch.bfloat16, 2e-2, marks=needs_onednn),
     pytest.param("int8", torch.bfloat16, 4e-2, marks=needs_int8),
     pytest.param("int8", torch.float32, 4e-2, marks=needs_int8),
 ])
@@ -107,6 +111,7 @@ def _logits(model, tokens):
 
 
 @pytest.mark.parametrize("kernel,tol", [pytest.param("packed", 0.0, marks=needs_packed),
+                                        pytest.param("onednn", 0.0, marks=needs_onednn),
                                         pytest.param("int8", 0.1, marks=needs_int8)])
 @pytest.mark.parametrize("tie", [False, True])
 def test_whole_model_logits(tmp_path, kernel, tol, tie):
@@ -133,8 +138,12 @@ def test_whole_model_logits(tmp_path, kernel, tol, tie):
 def test_resolve_linear():
     assert resolve_linear("plain", "cpu", "float32") == "plain"
     assert resolve_linear("auto", "cuda:1", "bfloat16") == "plain"
-    assert resolve_linear("auto", "cpu", "float32") == "plain"
-    assert resolve_linear("auto", "cpu", "bfloat16") == ("packed" if packed_available() else "plain")
+    assert resolve_linear("auto", "cpu", "float32") == ("onednn" if onednn_available() else "plain")
+    assert resolve_linear("auto", "cpu", "float16") == "plain"
+    assert resolve_linear("auto", "cpu", "bfloat16") == (
+        "packed" if packed_available() else "onednn" if onednn_available() else "plain")
+    with pytest.raises(ValueError, match="'onednn' needs the drafter on CPU"):
+        resolve_linear("onednn", "cuda:0", "float32")
     with pytest.raises(ValueError, match="'packed' needs the drafter on CPU in bfloat16"):
         resolve_linear("packed", "cpu", "float32")
     with pytest.raises(ValueError, match="'int8' needs the drafter on CPU"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -28,7 +29,7 @@ from torch import nn
 
 from saguaro_vllm.drafter.model.layers import Linear, MergedLinear
 
-LINEAR_KERNELS = ("auto", "plain", "packed", "int8")
+LINEAR_KERNELS = ("auto", "plain", "packed", "onednn", "int8")
 
 
 @functools.cache
@@ -44,6 +45,24 @@ def packed_available() -> bool:
     return True
 
 
+@functools.cache
+def onednn_available() -> bool:
+    """vLLM's own CPU GEMM (`torch.ops._C.onednn_mm` with a pre-packed oneDNN handler, what vLLM's CPU
+    model runner uses for every unquantized linear layer) is loadable here: the drafter runs beside a vLLM
+    install on CPU, but must not need one (GPU checks run without vLLM). Probed once on a tiny weight."""
+    try:
+        import vllm._C  # noqa: F401  (registers torch.ops._C; ~3 s at a drafter's start)
+    except Exception:  # noqa: BLE001 - any failure means: not available
+        return False
+    if not (hasattr(torch.ops._C, "create_onednn_mm_handler") and hasattr(torch.ops._C, "onednn_mm")):
+        return False
+    try:
+        _onednn(torch.zeros(8, 8), None)(torch.zeros(1, 8))
+    except RuntimeError:
+        return False
+    return True
+
+
 def int8_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
@@ -54,7 +73,12 @@ def resolve_linear(requested: str, device: str, dtype: str) -> str:
         raise ValueError(f"must be one of {', '.join(LINEAR_KERNELS)}")
     on_cpu = device == "cpu"
     if requested == "auto":
-        return "packed" if on_cpu and dtype == "bfloat16" and packed_available() else "plain"
+        if on_cpu and dtype == "bfloat16" and packed_available():
+            return "packed"
+        return "onednn" if on_cpu and dtype in ("float32", "bfloat16") and onednn_available() else "plain"
+    if requested == "onednn" and not (on_cpu and dtype in ("float32", "bfloat16") and onednn_available()):
+        raise ValueError(f"'onednn' needs the drafter on CPU in float32 or bfloat16 beside vLLM's CPU build "
+                         f"(torch.ops._C.onednn_mm; device {device}, dtype {dtype}); use 'auto' or 'plain'")
     if requested == "packed" and not (on_cpu and dtype == "bfloat16" and packed_available()):
         raise ValueError(f"'packed' needs the drafter on CPU in bfloat16 with oneDNN (device {device}, dtype "
                          f"{dtype}) on a CPU that oneDNN's bf16 path supports (AVX-512 or AVX-NE-CONVERT); use 'auto' or 'plain'")
@@ -105,6 +129,67 @@ def _packed_bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[t
 
     run.shape_key = (weight.shape[1], weight.shape[0], weight.dtype, bias is not None)  # rows padded
     return run
+
+
+#: Primitives each oneDNN handler keeps (one per padded row bucket: every bucket up to 2048 rows fits).
+ONEDNN_PRIMITIVES = 96
+
+
+def _onednn(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """vLLM's CPU GEMM: the weight packed once into a oneDNN handler (which owns the packed copy), rows
+    padded to buckets like `_packed_bf16` (one primitive per bucket, built by `warm_linear_kernels`).
+    Measured on one core (float32, `benchmarks/notes.md`): an LM head of 128256 x 64 at 16 rows 5.9 ms against
+    `F.linear`'s 8.3 ms, at 4 rows 1.9 against 5.8; a 2048 x 2048 layer at 16 rows 1.35 against 2.5 ms."""
+    handler = torch.ops._C.create_onednn_mm_handler(weight.detach().t(), ONEDNN_PRIMITIVES)
+    handle = torch.tensor(handler, dtype=torch.int64)
+    release = torch.ops._C.release_dnnl_matmul_handler
+    b = None if bias is None else bias.detach().clone()
+    n = weight.shape[0]
+    # One row: oneDNN's packed GEMM is slower than F.linear's GEMV for wide layers (an LM head of 128256 x 64:
+    # 2.1 against 1.4 ms), faster for square ones (2048 x 2048: 0.32 against 0.50 ms). Timed once here;
+    # where F.linear wins, the float weight is kept for one-row calls (its memory is not released).
+    one_row = _faster_plain_one_row(weight.detach(), b, handle)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        rows = x2.shape[0]
+        if rows == 1 and one_row is not None:
+            return torch.nn.functional.linear(x2, one_row, b).reshape(*shape[:-1], n)
+        pad = padded_rows(rows) - rows
+        if pad:
+            x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))
+        y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+        torch.ops._C.onednn_mm(y, x2, b, handle)
+        if pad:
+            y = y[:rows]
+        return y.reshape(*shape[:-1], n)
+
+    run.shape_key = (weight.shape[1], weight.shape[0], weight.dtype, bias is not None)  # rows padded
+    run.handle = handle
+    weakref.finalize(run, release, handler)  # the handler (and its packed weight) goes with the kernel
+    return run
+
+
+def _faster_plain_one_row(weight: torch.Tensor, bias: torch.Tensor | None, handle: torch.Tensor,
+                          repeats: int = 5) -> torch.Tensor | None:
+    """`weight` if `F.linear` beats the oneDNN handler on one row by more than 20 % (best of `repeats`)."""
+    x = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
+    y = torch.empty(1, weight.shape[0], dtype=weight.dtype)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    with torch.inference_mode():
+        plain = best(lambda: torch.nn.functional.linear(x, weight, bias))
+        dnn = best(lambda: torch.ops._C.onednn_mm(y, x, bias, handle))
+    return weight if plain < 0.8 * dnn else None
 
 
 def _cpu_has_vnni(cpuinfo: str = "/proc/cpuinfo") -> bool:
@@ -171,7 +256,7 @@ def install_linear_kernel(model: nn.Module, kernel: str) -> int:
     """Switch every linear layer of `model` to `kernel` (a resolved path); returns how many were switched."""
     if kernel == "plain":
         return 0
-    make = {"packed": _packed_bf16, "int8": _int8_dynamic}[kernel]
+    make = {"packed": _packed_bf16, "onednn": _onednn, "int8": _int8_dynamic}[kernel]
     tied = {id(p) for name, m in model.named_modules() if not isinstance(m, (Linear, MergedLinear))
             for p in m.parameters(recurse=False)}
     count = 0
