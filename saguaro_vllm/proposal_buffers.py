@@ -258,6 +258,7 @@ class SlotWriter:
         self.ring, self.seq = ring, seq
         self.slot = ring.acquire(seq) if ring is not None else None
         self.rows: list[int] = []  # answer row of each slot row, in order
+        self.written: dict[int, int] = {}  # answer row -> positions written in place (`put_positions`)
 
     @property
     def available(self) -> bool:
@@ -286,6 +287,31 @@ class SlotWriter:
         else:
             for pos, p in enumerate(probs):
                 dest[pos].copy_(p)
+
+    def put_positions(self, answer_rows: Sequence[int], positions: Sequence[int], q: torch.Tensor) -> None:
+        """Write row n of `q` `[n, vocab]` at position `positions[n]` of `answer_rows[n]`'s slot row: one
+        batched write for a whole draft position (the K-step loop's q' goes straight into the slot)."""
+        if not answer_rows:
+            return
+        buf = self.buffer()
+        idx = torch.tensor([self.row_of(a) for a in answer_rows], dtype=torch.long)
+        pos = torch.tensor(list(positions), dtype=torch.long)
+        buf.index_put_((idx.to(buf.device), pos.to(buf.device)), q.to(device=buf.device, dtype=buf.dtype))
+        for a, p in zip(answer_rows, positions, strict=True):
+            self.written[a] = max(self.written.get(a, 0), p + 1)
+
+    def compact(self, keep) -> None:
+        """Drop the slot rows of answer rows for which `keep(row)` is false (e.g. their drafts were cut after
+        writing), moving later rows up so the slot stays compact from row 0 (order kept)."""
+        buf, kept = self.buffer(), []
+        for old, a in enumerate(self.rows):
+            if keep(a):
+                if len(kept) != old:
+                    buf[len(kept)].copy_(buf[old])
+                kept.append(a)
+            else:
+                self.written.pop(a, None)
+        self.rows = kept
 
     def finish(self) -> tuple[int, list[int]]:
         """(slot, rows) for the answer; publishes the slot, or frees it when nothing was written."""

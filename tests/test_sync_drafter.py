@@ -48,6 +48,13 @@ def ring_probs(drafter, resp) -> dict[int, np.ndarray]:
     return out
 
 
+def draft_logits_of(model, context: list[int]) -> torch.Tensor:
+    """Reference: the draft's next-token logits after `context`, on a fresh runner."""
+    runner = DraftModelRunner(model, KVCacheConfig(num_blocks=64, block_size=16))
+    runner.add_request("ref")
+    return runner.forward([("ref", list(context), 0)])[0, : model.config.vocab_size]
+
+
 def greedy_continuation(model, context: list[int], k: int) -> list[int]:
     """Reference: the draft's greedy continuation, recomputed from scratch on a fresh runner."""
     runner = DraftModelRunner(model, KVCacheConfig(num_blocks=64, block_size=16))
@@ -168,3 +175,46 @@ def test_drafter_that_cannot_load_disables_speculation(client_cfg, tmp_path):
     assert "no config.json" in client.disabled_reason or "config" in client.disabled_reason
     with pytest.raises(DrafterUnavailable):
         client.step(StepRequest(1, [], []))
+
+
+def test_sampled_q_is_written_in_place_once_per_position(draft_model, monkeypatch):
+    """`mode: sync` writes each draft position's q' of all sampled rows into the ring slot with one batched
+    write (no per-row copies at publish), and the slot holds exactly the softmax the tokens were drawn from."""
+    from saguaro_vllm.proposal_buffers import SlotWriter
+
+    calls = {"put": 0, "put_positions": 0}
+    for name in calls:
+        original = getattr(SlotWriter, name)
+
+        def counted(self, *a, _original=original, _name=name, **kw):
+            calls[_name] += 1
+            return _original(self, *a, **kw)
+
+        monkeypatch.setattr(SlotWriter, name, counted)
+    drafter = make_drafter(draft_model)
+    t1 = SamplingSpec(temperature=1.0, seed=3)
+    ctxs = {"a": [5, 6, 7], "b": [9, 2], "g": [4, 4, 8]}
+    resp = drafter.step(StepRequest(1, [RowUpdate("a", 0, ctxs["a"], K, t1), RowUpdate("b", 0, ctxs["b"], K, t1),
+                                        RowUpdate("g", 0, ctxs["g"], K, SamplingSpec())], []))
+    assert calls == {"put": 0, "put_positions": K}
+    probs = ring_probs(drafter, resp)
+    assert set(probs) == {0, 1}
+    for row, rid in enumerate(("a", "b")):
+        for pos, tok in enumerate(resp.drafts[row]):
+            logits = draft_logits_of(draft_model, ctxs[rid] + resp.drafts[row][:pos])
+            np.testing.assert_allclose(probs[row][pos], torch.softmax(logits, -1).numpy(), rtol=1e-4, atol=1e-7)
+            assert probs[row][pos][tok] > 0
+
+
+def test_slot_writer_compacts_rows_cut_after_writing(draft_model):
+    from saguaro_vllm.proposal_buffers import SlotWriter
+
+    ring = make_ring(draft_model, rows=4)
+    writer = SlotWriter(ring, seq=1)
+    vocab = draft_model.config.vocab_size
+    q = torch.arange(3 * vocab, dtype=torch.float32).reshape(3, vocab)
+    writer.put_positions([7, 8, 9], [0, 0, 0], q)
+    writer.compact(lambda row: row != 8)  # row 8's drafts were cut after its q' was written
+    slot, rows = writer.finish()
+    assert rows == [7, 9] and writer.written == {7: 1, 9: 1}
+    assert torch.equal(ring.slot(slot)[0, 0], q[0]) and torch.equal(ring.slot(slot)[1, 0], q[2])

@@ -201,7 +201,8 @@ class SyncDrafter:
             order.append(i)
             jobs[i] = k
         probs: dict[int, list[torch.Tensor]] = {}
-        self._draft_chains(req, order, chunks, jobs, drafts, probs)
+        in_place = writer if self._fits_in_place(req, order, writer) else None
+        self._draft_chains(req, order, chunks, jobs, drafts, probs, slot=in_place)
         no_room = set(self._end_step(drafts))
         status = [NO_ROOM if i in no_room else DRAFTED if drafts[i] else NONE for i in range(len(req.rows))]
         probs_slot, probs_rows = self._publish_probs(req, drafts, probs, writer)
@@ -221,17 +222,31 @@ class SyncDrafter:
         st.drafted, st.draft_logits = [], []
         return req_id, st.context[start:], start
 
+    def _fits_in_place(self, req: StepRequest, order: list[int], writer: SlotWriter) -> bool:
+        """Whether the sampled rows of `order` can be written straight into `writer`'s slot: a slot row
+        each beside a one-hot row for every other row (`fit_rows` would keep them all)."""
+        if not writer.available:
+            return False
+        sampled = sum(1 for i in order if not self.reqs[req.rows[i].req_id].sampling.greedy)
+        return 0 < sampled <= writer.ring.rows - (len(order) - sampled)
+
     def _draft_chains(self, req: StepRequest, order: list[int], chunks: list, jobs: dict[int, int],
                       drafts: list[list[int]], probs: dict[int, list[torch.Tensor]],
-                      evictable: set[int] | None = None) -> None:
+                      evictable: set[int] | None = None, slot: SlotWriter | None = None) -> None:
         """Draft `jobs[row]` more tokens for each row of `order`, one batched forward per position: feed
         each row's chunk (its context, or its last draft), choose its next draft (`_choose`), feed that.
-        A fed draft has KV afterwards (it joins `st.drafted`); sampled drafts' q' go to `probs[row]`. Rows
+        A fed draft has KV afterwards (it joins `st.drafted`); sampled drafts' q' go to `probs[row]`, or with
+        `slot` straight into that ring slot, one batched write per forward (`SlotWriter.put_positions`). Rows
         the KV cache cannot hold stop early (`_fit`; with `evictable`, only those rows let go of their KV)."""
         order, chunks = self._fit(req.rows, order, chunks, evict=True, evictable=evictable)
         while chunks:
             logits = self._forward(chunks)
-            tokens, qs = self._choose([c[0] for c in chunks], logits, [len(drafts[i]) for i in order])
+            positions = [len(drafts[i]) for i in order]
+            tokens, qs, batch = self._choose([c[0] for c in chunks], logits, positions)
+            if slot is not None and batch is not None:
+                sampled, q = batch
+                slot.put_positions([order[n] for n in sampled], [positions[n] for n in sampled], q)
+                qs = [None] * len(qs)
             next_order, next_chunks = [], []
             for n, (i, (rid, _, _)) in enumerate(zip(order, chunks, strict=True)):
                 st = self.reqs[rid]
@@ -252,16 +267,16 @@ class SyncDrafter:
         return self.runner.forward(chunks, num_logits=num_logits)[:, : self.vocab_size]
 
     def _choose(self, req_ids: list[str], logits: torch.Tensor, depths: list[int]
-                ) -> tuple[list[int], list[torch.Tensor | None]]:
+                ) -> tuple[list[int], list[torch.Tensor | None], tuple[list[int], torch.Tensor] | None]:
         """Each row's next draft and the q' it was drawn from: the argmax (q' None) for greedy requests; for
         sampled ones one batched `sample_proposals` call, with Saguaro's F and C per row (`_scaling`) at
-        the draft's depth."""
+        the draft's depth. Also (the sampled rows, their q' `[n, vocab]`) as one tensor, or None."""
         qs: list[torch.Tensor | None] = [None] * len(req_ids)
         states = [self.reqs[rid] for rid in req_ids]
         sampled = [n for n, st in enumerate(states) if not st.sampling.greedy]
         tokens = logits.argmax(dim=-1).tolist() if len(sampled) < len(states) else [0] * len(states)
         if not sampled:
-            return tokens, qs
+            return tokens, qs, None
         scaling = [self._scaling(states[n], depths[n]) for n in sampled]
         lg = logits if len(sampled) == len(states) else logits[torch.tensor(sampled, device=logits.device)]
         drawn, q = sample_proposals(lg, [states[n].sampling for n in sampled],
@@ -269,7 +284,7 @@ class SyncDrafter:
                                     [f for f, _ in scaling], [c for _, c in scaling])
         for n, tok, row in zip(sampled, drawn.tolist(), q, strict=True):
             tokens[n], qs[n] = tok, row
-        return tokens, qs
+        return tokens, qs, (sampled, q)
 
     def _scaling(self, st: _ReqState, depth: int) -> tuple[int, float]:
         """Saguaro sampling's (F, C) for a request's draft at `depth`: none in `mode: sync`."""
@@ -282,6 +297,8 @@ class SyncDrafter:
         slower). So do the sampled rows beyond what the slot holds beside a one-hot row per other drafted row
         (`fit_rows`; the ring's rows are `saguaro.max_sampled_rows`): counted in `probs_capped`."""
         self.probs_capped = 0
+        if writer is not None and writer.written:  # rows written in place while drafting: keep those with drafts
+            writer.compact(lambda i: bool(drafts[i]))
         rows = [i for i, p in probs.items() if p and drafts[i]]
         if writer is None:
             if not rows:
