@@ -71,6 +71,10 @@ for name, fn in (("cuda op", branch_attention), ("triton", triton_attention)):
     assert err < 2e-2, name
 PY
 
+step "device proposal ring: CUDA IPC slots written by a second process (issue 26 item 3)"
+timeout 120 "$py" benchmarks/check_device_ring.py --rows 64 --k 5 --vocab 128256 --out "$out/device-ring.json" \
+    2>&1 | tee "$out/device-ring.log" || status=1
+
 step "drafter round on a random Llama-3.2-1B-shaped draft (bf16, CUDA)"
 timeout 240 "$py" benchmarks/bench_ops.py --round llama-3.2-1b --device cuda --dtype bfloat16 \
     --temperature 0.8 --reps 5 --out "$out" 2>&1 | tee "$out/device-round.log" || status=1

@@ -90,6 +90,13 @@ class SaguaroOptions(BaseModel):
         "beyond it get no drafts that step (exact, slower; counted). `auto`: min(max_num_seqs, 256). 0: no "
         "ring: sampled requests get no drafts.",
     )
+    proposal_transport: Literal["auto", "host", "device"] = Field(
+        "auto", description="Where the proposal ring's slots live. `host`: the shared-memory file (a CUDA target "
+        "then gets one copy of the used rows per step). `device`: the target GPU's memory, shared with the "
+        "drafter by a CUDA IPC handle and written by its GPU directly (no host round trip); needs a CUDA "
+        "target and drafter on the same GPU or with peer access, and the drafter seeing the worker's GPUs. "
+        "`auto`: `device` where that holds, else `host`.",
+    )
     max_tokens_per_forward: int = Field(
         2048, description="Prefill chunk size: at most this many tokens of one request per drafter forward "
         "(long prompts are prefilled in chunks)."

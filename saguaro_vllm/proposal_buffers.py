@@ -131,14 +131,18 @@ class ProposalRing:
     The file is sparse: memory is only used for rows that were written at least once.
     """
 
-    def __init__(self, path: str, rows: int, k: int, vocab: int, slots: int, owner: bool):
+    def __init__(self, path: str, rows: int, k: int, vocab: int, slots: int, owner: bool,
+                 device: str = "cpu", ipc: dict | None = None):
         if rows < 1 or k < 1 or vocab < 1 or slots < 1:
             raise ValueError(f"proposal ring: rows, k, vocab and slots must be >= 1 (got {rows}, {k}, {vocab}, "
                              f"{slots})")
         self.path, self.rows, self.k, self.vocab, self.slots, self.owner = path, rows, k, vocab, slots, owner
+        self.device = device  # where the slots live: "cpu" (in the file) or the target's "cuda:N"
         self.slot_floats = rows * k * vocab
         header_bytes = _header_bytes(slots)
-        size = self.nbytes = ring_bytes(rows, k, vocab, slots)
+        on_host = device == "cpu"
+        size = ring_bytes(rows, k, vocab, slots) if on_host else header_bytes  # device slots: the header only
+        self.nbytes = ring_bytes(rows, k, vocab, slots)
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if owner else 0), 0o600)
         try:
             if owner:
@@ -150,20 +154,30 @@ class ProposalRing:
         finally:
             os.close(fd)
         self.header = np.frombuffer(self._mm, dtype=np.int64, count=slots * HEADER_FIELDS).reshape(slots, 2)
-        data = np.frombuffer(self._mm, dtype=np.float32, offset=header_bytes, count=slots * self.slot_floats)
-        self._data = data.reshape(slots, rows, k, vocab)
-        self._tensor = torch.from_numpy(self._data)  # shares the mapping (no copy)
+        self.ipc = ipc
+        if on_host:
+            data = np.frombuffer(self._mm, dtype=np.float32, offset=header_bytes, count=slots * self.slot_floats)
+            self._data = data.reshape(slots, rows, k, vocab)
+            self._tensor = torch.from_numpy(self._data)  # shares the mapping (no copy)
+        elif owner:  # device memory of the target's GPU, shared with the drafter by a CUDA IPC handle
+            self._data = None
+            self._tensor = torch.empty(slots, rows, k, vocab, dtype=torch.float32, device=device)
+            self.ipc = export_cuda_tensor(self._tensor)
+        else:
+            self._data = None
+            self._tensor = import_cuda_tensor(ipc)
         self._next = 0
         self._finalizer = weakref.finalize(self, _remove, os.path.dirname(path) if owner else None)
 
     # ---- construction ---------------------------------------------------------------------------------
     @classmethod
     def create(cls, rows: int, k: int, vocab: int, slots: int = SLOTS, base_dir: str | None = None,
-               field: str = "saguaro.max_sampled_rows") -> ProposalRing:
+               field: str = "saguaro.max_sampled_rows", device: str = "cpu") -> ProposalRing:
         """A new ring in a fresh private (0700) directory of `base_dir` (default: `ring_dir`'s choice); the
         caller owns it and must `close` it. Raises OSError (naming `field` and the fixes) when the directory
-        cannot hold the ring's worst case. The file is sparse and nothing is pre-touched."""
-        size = ring_bytes(rows, k, vocab, slots)
+        cannot hold the ring's worst case. The file is sparse and nothing is pre-touched. With a CUDA
+        `device` the slots are device memory there (`transport_for` decides) and the file holds the header."""
+        size = ring_bytes(rows, k, vocab, slots) if device == "cpu" else _header_bytes(slots)
         if base_dir is None:
             base_dir, free = ring_dir(size)
         else:
@@ -175,7 +189,7 @@ class ProposalRing:
         d = tempfile.mkdtemp(prefix="saguaro-probs-", dir=base_dir)
         os.chmod(d, 0o700)
         try:
-            return cls(os.path.join(d, "ring"), rows, k, vocab, slots, owner=True)
+            return cls(os.path.join(d, "ring"), rows, k, vocab, slots, owner=True, device=device)
         except BaseException:
             shutil.rmtree(d, ignore_errors=True)
             raise
@@ -184,19 +198,25 @@ class ProposalRing:
     def attach(cls, spec: dict) -> ProposalRing:
         """The drafter's handle on the proposer's ring, from `spec()`."""
         return cls(spec["path"], int(spec["rows"]), int(spec["k"]), int(spec["vocab"]), int(spec["slots"]),
-                   owner=False)
+                   owner=False, device=spec.get("device", "cpu"), ipc=spec.get("ipc"))
 
     def spec(self) -> dict:
-        return {"path": self.path, "rows": self.rows, "k": self.k, "vocab": self.vocab, "slots": self.slots}
+        out = {"path": self.path, "rows": self.rows, "k": self.k, "vocab": self.vocab, "slots": self.slots}
+        if self.device != "cpu":
+            out.update(device=self.device, ipc=self.ipc)
+        return out
 
     def describe(self) -> str:
         """One phrase for the start-up log line: where, the shape and the reserved bytes."""
-        return (f"{os.path.dirname(os.path.dirname(self.path))}, {self.slots} slots x {self.rows} rows x K={self.k} "
+        where = (f"device memory of {self.device} (header in {os.path.dirname(os.path.dirname(self.path))})"
+                 if self.device != "cpu" else os.path.dirname(os.path.dirname(self.path)))
+        return (f"{where}, {self.slots} slots x {self.rows} rows x K={self.k} "
                 f"x vocab {self.vocab} float32 = {gib(self.nbytes)} ({self.nbytes} bytes) reserved")
 
     def resident_bytes(self) -> int:
-        """Bytes the file uses now (the rows written so far; sparse holes use nothing)."""
-        return os.stat(self.path).st_blocks * 512
+        """Bytes the slots use now: the file's written rows (sparse holes use nothing); device slots are
+        allocated whole."""
+        return os.stat(self.path).st_blocks * 512 if self.device == "cpu" else self.nbytes
 
     def close(self) -> None:
         """Unmap; the owner also removes the file and its directory. Views handed out must be dropped first."""
@@ -220,9 +240,13 @@ class ProposalRing:
         return None
 
     def publish(self, slot: int) -> None:
-        """The drafter finished writing `slot`: from now on the proposer holds it."""
+        """The drafter finished writing `slot`: from now on the proposer holds it. Device slots: the
+        drafter's copies into them (asynchronous, from its own GPU) complete first, so the proposer may read
+        them on any stream (one host synchronisation per answer)."""
         if self.header[slot, 0] != WRITING:
             raise RuntimeError(f"proposal ring: publish of slot {slot} in state {int(self.header[slot, 0])}")
+        if self.device != "cpu":
+            torch.cuda.synchronize(self.device)
         self.header[slot, 0] = HELD
 
     def abandon(self, slot: int) -> None:
@@ -244,6 +268,54 @@ class ProposalRing:
         """Give every HELD slot back to the drafter (vLLM no longer reads any of them: see module doc)."""
         held = self.header[:, 0] == HELD
         self.header[held, 0] = FREE
+
+
+def transport_for(target_device: str, draft_device: str, peer_access=None) -> str:
+    """Where sampled rows' q travels: "device" (slots in the target GPU's memory, written by the drafter's
+    GPU over CUDA IPC and peer copies: no host round trip) when both sides are CUDA devices that can reach
+    each other (the same device, or peer access), else "host" (the shared-memory file; a CUDA target then
+    gets one copy of the used rows per step). `peer_access(a, b)`: default `torch.cuda.can_device_access_peer`."""
+    if not (target_device.startswith("cuda") and draft_device.startswith("cuda")):
+        return "host"
+    a, b = torch.device(target_device).index or 0, torch.device(draft_device).index or 0
+    if a == b:
+        return "device"
+    check = peer_access or torch.cuda.can_device_access_peer
+    try:
+        return "device" if check(a, b) and check(b, a) else "host"
+    except (RuntimeError, AssertionError):  # a device not visible here
+        return "host"
+
+
+def export_cuda_tensor(t: torch.Tensor) -> dict:
+    """A CUDA tensor's IPC handle as plain JSON (no pickle: it travels in the drafter's bootstrap file).
+    torch's `reduce_tensor` gives the handle, sizes and offsets; types are named, bytes base64-encoded."""
+    import base64
+
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(t)
+    (_cls, size, stride, offset, _storage_cls, dtype, device, handle, storage_bytes, storage_offset, _grad,
+     ref_handle, ref_offset, event_handle, event_sync) = args
+    b64 = lambda x: None if x is None else base64.b64encode(bytes(x)).decode()  # noqa: E731
+    return {"size": list(size), "stride": list(stride), "offset": int(offset), "dtype": str(dtype).removeprefix(
+        "torch."), "device": int(device), "handle": b64(handle), "storage_bytes": int(storage_bytes),
+        "storage_offset": int(storage_offset), "ref_handle": b64(ref_handle), "ref_offset": int(ref_offset),
+        "event_handle": b64(event_handle), "event_sync": bool(event_sync)}
+
+
+def import_cuda_tensor(ipc: dict) -> torch.Tensor:
+    """The tensor `export_cuda_tensor` described, opened in this process (`cudaIpcOpenMemHandle`). The
+    device index is the exporter's: the drafter inherits the worker's `CUDA_VISIBLE_DEVICES`."""
+    import base64
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    raw = lambda x: None if x is None else base64.b64decode(x)  # noqa: E731
+    return rebuild_cuda_tensor(torch.Tensor, tuple(ipc["size"]), tuple(ipc["stride"]), ipc["offset"],
+                               torch.UntypedStorage, getattr(torch, ipc["dtype"]), ipc["device"], raw(ipc["handle"]),
+                               ipc["storage_bytes"], ipc["storage_offset"], False, raw(ipc["ref_handle"]),
+                               ipc["ref_offset"], raw(ipc["event_handle"]), ipc["event_sync"])
 
 
 def _remove(directory: str | None) -> None:

@@ -19,7 +19,7 @@ from saguaro_vllm.config import ADDITIONAL_CONFIG_KEY
 from saguaro_vllm.drafter_client import DrafterClient, DrafterUnavailable
 from saguaro_vllm.drafter_policy import ResyncBackoff
 from saguaro_vllm.metrics import SaguaroMetrics
-from saguaro_vllm.proposal_buffers import ProposalRing, assemble, draft_positions, fit_rows, ring_rows
+from saguaro_vllm.proposal_buffers import ProposalRing, assemble, draft_positions, fit_rows, ring_rows, transport_for
 from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
 
 
@@ -75,13 +75,36 @@ class SaguaroProposer:
                              "drafts, greedy ones do")
             self.metrics.on_ring(0)
             return
-        self.ring = ProposalRing.create(rows=rows, k=self.k, vocab=self.vocab_size,
-                                        base_dir=self.cfg.get("proposal_ring_dir"))
+        device = self._ring_device(vllm_config)
+        try:
+            self.ring = ProposalRing.create(rows=rows, k=self.k, vocab=self.vocab_size,
+                                            base_dir=self.cfg.get("proposal_ring_dir"), device=device)
+        except (RuntimeError, OSError) as err:
+            if device == "cpu" or self.cfg.get("saguaro", {}).get("proposal_transport") == "device":
+                raise
+            self.logger.warning("Saguaro: the proposal ring cannot live in %s's memory (%s); it uses shared host "
+                                "memory (saguaro.proposal_transport \"host\")", device, err)
+            self.ring = ProposalRing.create(rows=rows, k=self.k, vocab=self.vocab_size,
+                                            base_dir=self.cfg.get("proposal_ring_dir"))
         self.cfg["proposal_ring"] = self.ring.spec()
         self.logger.info("Saguaro: proposal ring for sampled rows' probabilities in %s (max_num_seqs %d, "
-                         "saguaro.max_sampled_rows %s); a sparse file: memory is used only by the rows "
-                         "written", self.ring.describe(), max_num_seqs, cap)
+                         "saguaro.max_sampled_rows %s)%s", self.ring.describe(), max_num_seqs, cap,
+                         "; a sparse file: memory is used only by the rows written" if self.ring.device == "cpu"
+                         else "")
         self.metrics.on_ring(self.ring.nbytes)
+
+    def _ring_device(self, vllm_config: Any) -> str:
+        """"cpu" (the shared-memory ring) or the target's CUDA device (`saguaro.proposal_transport`,
+        `proposal_buffers.transport_for`)."""
+        choice = self.cfg.get("saguaro", {}).get("proposal_transport", "auto")
+        target = str(getattr(getattr(vllm_config, "device_config", None), "device", "cpu") or "cpu")
+        if target.startswith("cuda") and torch.cuda.is_available():
+            target = f"cuda:{torch.cuda.current_device()}"
+        if choice == "host" or not target.startswith("cuda"):
+            return "cpu"
+        if choice == "device" or transport_for(target, str(self.cfg.get("device", "cpu"))) == "device":
+            return target
+        return "cpu"
 
     def _rank_cores(self) -> list[int]:
         """CPU: this worker's own cores: its slice of the per-rank lists (one list per local rank, the

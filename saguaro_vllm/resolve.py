@@ -274,7 +274,8 @@ def cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
 RING_FIELD = "speculative_config.saguaro.max_sampled_rows"
 
 
-def resolve_proposal_ring(cfg: SaguaroConfig, vocab_size: int, max_num_seqs: int | None) -> dict[str, Any]:
+def resolve_proposal_ring(cfg: SaguaroConfig, vocab_size: int, max_num_seqs: int | None,
+                          transport: str = "host") -> dict[str, Any]:
     """Where the proposal ring (sampled rows' q, proposal_buffers.py) will go, checked for its worst case.
 
     Rows: `ring_rows(max_sampled_rows, max_num_seqs)`, the formula the proposer uses (`max_num_seqs` None:
@@ -282,14 +283,15 @@ def resolve_proposal_ring(cfg: SaguaroConfig, vocab_size: int, max_num_seqs: int
     may sample: the ring is needed unless `max_sampled_rows` is 0. Its file is sparse, but a filesystem that
     fills up kills the writer with SIGBUS, so the worst case (every row of both slots written) must fit:
     in /dev/shm, else in the temp dir (a disk-backed file: a start-up warning), else the config is refused,
-    naming the size, the space and the fixes. Returns `{"dir", "rows", "bytes"}` (dir None: no ring)."""
+    naming the size, the space and the fixes. With `transport` "device" the slots are GPU memory and the
+    file holds only their header. Returns `{"dir", "rows", "bytes"}` (dir None: no ring)."""
     from saguaro_vllm.proposal_buffers import SHM_DIR, gib, ring_bytes, ring_dir, ring_rows, shortage_message
 
     k = cfg.num_speculative_tokens
     rows = ring_rows(cfg.saguaro.max_sampled_rows, max_num_seqs if max_num_seqs is not None else 2**31)
     if rows == 0:
         return {"dir": None, "rows": 0, "bytes": 0}
-    size = ring_bytes(rows, k, vocab_size)
+    size = ring_bytes(rows, k, vocab_size) if transport == "host" else ring_bytes(0, k, vocab_size)
     directory, free = ring_dir(size)
     if directory is None:
         raise SaguaroConfigError(shortage_message(rows, k, vocab_size, free, RING_FIELD) + ".")
@@ -305,14 +307,29 @@ def resolve_proposal_ring(cfg: SaguaroConfig, vocab_size: int, max_num_seqs: int
     return {"dir": directory, "rows": rows, "bytes": size}
 
 
+def _ring_transport(cfg: SaguaroConfig, draft_device: str, is_cpu_platform: bool) -> str:
+    """The proposal ring's transport as the front end can tell it without initialising CUDA in this process
+    (vLLM forks its engine from here): `auto` with a CUDA drafter counts on peer access between the GPUs
+    (NVLink or PCIe P2P, the rule on multi-GPU servers); where the proposer finds none it falls back to the
+    host ring and checks /dev/shm itself, refusing to start with the same message if it cannot hold it."""
+    from saguaro_vllm.proposal_buffers import transport_for
+
+    choice = cfg.saguaro.proposal_transport
+    if is_cpu_platform or choice == "host":
+        return "host"
+    if choice == "device":
+        return "device"
+    return transport_for("cuda:0", draft_device, peer_access=lambda a, b: True)
+
+
 def resolve_for_engine(cfg: SaguaroConfig, target_model_config: Any, tp_size: int,
                        is_cpu_platform: bool, pp_size: int = 1, max_num_seqs: int | None = None) -> dict[str, Any]:
     """Everything the proposer and drafter need, as a plain JSON-able dict; sets the target's CPU binding.
     `max_num_seqs`: the engine's (or an upper bound of vLLM's default), which bounds the proposal ring."""
     draft_dir = resolve_draft_path(cfg.model)
     info = check_draft(draft_dir, target_model_config)
-    ring = resolve_proposal_ring(cfg, info["vocab_size"], max_num_seqs)
     device = resolve_device(cfg, is_cpu_platform, tp_size, pp_size)
+    ring = resolve_proposal_ring(cfg, info["vocab_size"], max_num_seqs, _ring_transport(cfg, device, is_cpu_platform))
     draft_cores: list[int] = []
     rank_cores: list[list[int]] = []
     if device == "cpu":

@@ -346,3 +346,62 @@ def test_engine_with_a_small_ring_caps_sampled_rows_and_reports_the_ring(tiny_pa
     assert run.counter("vllm:saguaro_sampled_rows_capped") > 0
     assert run.spec.draft_tokens > 0 and run.spec.accepted > 0  # the rows that fit still speculate
     assert [len(t) for t in run.token_ids] == [24] * 6
+
+
+def test_transport_choice_host_unless_both_sides_are_cuda_and_reach_each_other():
+    """`proposal_transport: auto`: the device ring only where the drafter's GPU can write the target's."""
+    from saguaro_vllm.proposal_buffers import transport_for
+
+    yes, no = (lambda a, b: True), (lambda a, b: False)
+    assert transport_for("cpu", "cpu") == "host"
+    assert transport_for("cuda:0", "cpu", yes) == "host"  # a CPU drafter: the host ring, one copy per step
+    assert transport_for("cpu", "cuda:0", yes) == "host"
+    assert transport_for("cuda:0", "cuda:0", no) == "device"  # the same GPU needs no peer access
+    assert transport_for("cuda:0", "cuda:4", yes) == "device"
+    assert transport_for("cuda:0", "cuda:4", no) == "host"
+    assert transport_for("cuda:0", "cuda:4", lambda a, b: (a, b) == (0, 4)) == "host"  # both directions needed
+
+    def invisible(a, b):
+        raise AssertionError("Invalid peer device id")
+
+    assert transport_for("cuda:0", "cuda:4", invisible) == "host"
+
+
+def test_cuda_ipc_spec_round_trips_as_json(monkeypatch):
+    """The device ring's handle travels in the drafter's bootstrap JSON: torch's `reduce_tensor` fields,
+    bytes as base64, types by name, rebuilt into the same `rebuild_cuda_tensor` arguments (no pickle).
+    Checked with torch's own functions replaced, since there is no GPU here (benchmarks/device_check.sh
+    opens a real handle in a second process)."""
+    import json
+
+    import torch.multiprocessing.reductions as reductions
+
+    from saguaro_vllm.proposal_buffers import export_cuda_tensor, import_cuda_tensor
+
+    args = (torch.Tensor, torch.Size([2, 3, 5, 7]), (105, 35, 7, 1), 0, torch.UntypedStorage, torch.float32, 3,
+            b"\x00\x01handle\xff", 840, 0, False, b"refcounter", 64, b"event\x00", True)
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, args))
+    seen = {}
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: seen.setdefault("args", a))
+    spec = json.loads(json.dumps(export_cuda_tensor(torch.empty(0))))
+    import_cuda_tensor(spec)
+    got = seen["args"]
+    assert got[0] is torch.Tensor and got[4] is torch.UntypedStorage and got[5] is torch.float32
+    assert tuple(got[1]) == tuple(args[1]) and tuple(got[2]) == args[2]
+    assert got[6:] == (3, b"\x00\x01handle\xff", 840, 0, False, b"refcounter", 64, b"event\x00", True)
+    assert got[3] == 0
+
+
+def test_front_end_checks_only_the_header_for_a_device_ring(monkeypatch):
+    """With the slots in GPU memory, /dev/shm only holds the header page: a 64 MiB /dev/shm is enough."""
+    from saguaro_vllm import proposal_buffers, resolve
+    from saguaro_vllm.config import parse_speculative_config
+
+    cfg = parse_speculative_config({"method": "saguaro", "model": "x", "num_speculative_tokens": 5,
+                                    "saguaro": {"proposal_transport": "device"}})[0]
+    monkeypatch.setattr(proposal_buffers, "free_bytes", lambda d: 64 * 2**20)
+    assert resolve.resolve_proposal_ring(cfg, 128256, 1024, "device")["bytes"] <= 4096
+    with pytest.raises(Exception, match="max_sampled_rows"):
+        resolve.resolve_proposal_ring(cfg, 128256, 1024, "host")
+    assert resolve._ring_transport(cfg, "cuda:4", is_cpu_platform=False) == "device"
+    assert resolve._ring_transport(cfg, "cpu", is_cpu_platform=True) == "host"

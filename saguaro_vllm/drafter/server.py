@@ -173,6 +173,7 @@ def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
             drafter, info = build_drafter(cfg)
             if cfg.get("proposal_ring"):  # the proposer's shared buffers for sampled rows' q
                 drafter.probs_ring = ProposalRing.attach(cfg["proposal_ring"])
+                info["proposal_transport"] = "device" if drafter.probs_ring.device != "cpu" else "host"
         except Exception as err:  # report, don't hang the proposer
             chan.send(Failed(f"{type(err).__name__}: {err}\n{traceback.format_exc()}"[:65536]), wait_s=CONTROL_WAIT_S)
             time.sleep(0.5)
