@@ -270,6 +270,10 @@ class ProposalRing:
         self.header[held, 0] = FREE
 
 
+def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device
+
+
 def transport_for(target_device: str, draft_device: str, peer_access=None) -> str:
     """Where sampled rows' q travels: "device" (slots in the target GPU's memory, written by the drafter's
     GPU over CUDA IPC and peer copies: no host round trip) when both sides are CUDA devices that can reach
@@ -360,6 +364,20 @@ class SlotWriter:
             for pos, p in enumerate(probs):
                 dest[pos].copy_(p)
 
+    def put_rows(self, items: Sequence[tuple[int, Sequence[torch.Tensor] | torch.Tensor]]) -> None:
+        """`put` for several rows: (answer row, its q rows). Where the q rows live on another device than the
+        slot (a CUDA drafter, the host ring), they are stacked there and moved in one transfer instead of one
+        synchronous copy per row and position (320 at batch 64, K=5); on the slot's device, copied row by row
+        (stacking first would copy everything twice)."""
+        flat = [(a, pos, p) for a, probs in items for pos, p in enumerate(probs)]
+        if not flat:
+            return
+        if _same_device(flat[0][2], self.buffer()):
+            for a, probs in items:
+                self.put(a, probs)
+            return
+        self.put_positions([a for a, _, _ in flat], [pos for _, pos, _ in flat], torch.stack([p for _, _, p in flat]))
+
     def put_positions(self, answer_rows: Sequence[int], positions: Sequence[int], q: torch.Tensor) -> None:
         """Write row n of `q` `[n, vocab]` at position `positions[n]` of `answer_rows[n]`'s slot row: one
         batched write for a whole draft position (the K-step loop's q' goes straight into the slot)."""
@@ -402,7 +420,7 @@ class SlotWriter:
 
 
 def assemble(slot: torch.Tensor, prob_rows: Sequence[int], drafts: Sequence[Sequence[int]],
-             k: int) -> tuple[torch.Tensor, list[int]]:
+             k: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, list[int]]:
     """The rejection sampler's `[rows, k, vocab]` proposal tensor for one step, inside the held `slot`.
 
     `prob_rows[r]`: the answer row whose q the drafter wrote into slot row r (its first len(drafts[row])
@@ -410,6 +428,9 @@ def assemble(slot: torch.Tensor, prob_rows: Sequence[int], drafts: Sequence[Sequ
     rows after them (q = 1 at the draft: exact for any deterministic choice). Returns the tensor (a view of
     the slot's first rows, no copy) and the answer row of each of its rows. Positions past a row's drafts
     are left as they are: vLLM reads only the drafts it schedules, never more than were proposed.
+
+    `device` other than the slot's (a host ring feeding a CUDA target): the sampled rows are copied there in
+    one transfer and the one-hot rows are built there, so greedy rows never cross as zeros.
     """
     m = len(prob_rows)
     sampled = set(prob_rows)
@@ -417,6 +438,13 @@ def assemble(slot: torch.Tensor, prob_rows: Sequence[int], drafts: Sequence[Sequ
     rows = list(prob_rows) + greedy
     if len(rows) > slot.shape[0]:
         raise RuntimeError(f"proposal ring: {len(rows)} rows with drafts, slot has {slot.shape[0]}")
+    if device is not None and not _same_device(slot, torch.empty(0, device=device)):
+        out = torch.empty((len(rows), *slot.shape[1:]), dtype=slot.dtype, device=device)
+        out[:m].copy_(slot[:m])
+        if greedy:
+            out[m:].zero_()
+            out[m:][tuple(t.to(out.device) for t in draft_positions([list(drafts[j])[:k] for j in greedy]))] = 1.0
+        return out, rows
     if greedy:
         block = slot[m: m + len(greedy)]
         block.zero_()

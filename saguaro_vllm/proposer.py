@@ -288,9 +288,7 @@ class SaguaroProposer:
             drafts[row_index[j]] = row_drafts[j] = []
         if not rows:
             return len(capped)
-        probs, answer_rows = assemble(buf, rows, row_drafts, self.k)
-        if probs.device != self.runner.device:
-            probs = probs.to(self.runner.device)
+        probs, answer_rows = assemble(buf, rows, row_drafts, self.k, device=self.runner.device)
         self._last_probs = probs
         self._last_prob_req_ids = [req_ids[row_index[j]] for j in answer_rows]
         return len(capped)

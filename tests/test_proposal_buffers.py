@@ -85,8 +85,16 @@ def reference_dense(drafts, row_index, probs, k, vocab):
     return dense
 
 
+@pytest.mark.parametrize("elsewhere", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_assembly_equals_the_loop_reference(seed):
+def test_assembly_equals_the_loop_reference(seed, elsewhere, monkeypatch):
+    """`elsewhere`: the target's device is not the slot's (a host ring feeding a CUDA target): the sampled
+    rows move once and the one-hot rows are built on the target's side (taken on CPU by declaring the
+    devices different)."""
+    from saguaro_vllm import proposal_buffers
+
+    if elsewhere:
+        monkeypatch.setattr(proposal_buffers, "_same_device", lambda a, b: False)
     rng = np.random.default_rng(seed)
     k, vocab, batch = 4, 53, 9
     ring = ProposalRing.create(rows=batch, k=k, vocab=vocab, slots=2)
@@ -103,7 +111,7 @@ def test_assembly_equals_the_loop_reference(seed):
     if not sampled:
         assert slot == -1
         slot = 0
-    got, answer_rows = assemble(ring.slot(slot), rows, answer_drafts, k)
+    got, answer_rows = assemble(ring.slot(slot), rows, answer_drafts, k, device="cpu" if elsewhere else None)
     batch_drafts = [[] for _ in range(batch + 3)]
     for j, i in enumerate(row_index):
         batch_drafts[i] = answer_drafts[j]
@@ -112,7 +120,8 @@ def test_assembly_equals_the_loop_reference(seed):
     for r, j in enumerate(answer_rows):  # what vLLM reads: each row's drafted positions
         n = len(answer_drafts[j])
         assert torch.equal(got[r, :n], want[row_index[j], :n]), (seed, j)
-    assert got.data_ptr() == ring.slot(slot).data_ptr()  # a view of the slot, not a copy
+    # a view of the slot, not a copy; or, for another device, its own tensor
+    assert (got.data_ptr() == ring.slot(slot).data_ptr()) != elsewhere
     ring.close()
 
 
@@ -405,3 +414,34 @@ def test_front_end_checks_only_the_header_for_a_device_ring(monkeypatch):
         resolve.resolve_proposal_ring(cfg, 128256, 1024, "host")
     assert resolve._ring_transport(cfg, "cuda:4", is_cpu_platform=False) == "device"
     assert resolve._ring_transport(cfg, "cpu", is_cpu_platform=True) == "host"
+
+
+def test_put_rows_writes_each_row_where_its_q_goes(monkeypatch):
+    """`put_rows` lands every (row, position) where `put` would, whether it copies row by row (q on the
+    slot's device) or stacks and moves once (q elsewhere: taken on CPU by declaring the devices different)."""
+    from saguaro_vllm import proposal_buffers
+
+    ring = ProposalRing.create(rows=4, k=3, vocab=11)
+    try:
+        items = [(5, [torch.full((11,), 1.0), torch.full((11,), 2.0)]), (2, torch.full((3, 11), 3.0))]
+        for seq, stacked in ((1, False), (2, True)):
+            calls = []
+            monkeypatch.setattr(proposal_buffers, "_same_device", lambda a, b: not stacked)
+            monkeypatch.setattr(SlotWriter, "put_positions", _spy(SlotWriter.put_positions, calls))
+            writer = SlotWriter(ring, seq=seq)
+            writer.put_rows(items)
+            monkeypatch.undo()
+            slot, rows = writer.finish()
+            buf = ring.slot(slot)
+            assert rows == [5, 2] and len(calls) == (1 if stacked else 0)
+            assert (buf[0, 0] == 1).all() and (buf[0, 1] == 2).all() and (buf[1] == 3).all()
+            ring.release_held()
+    finally:
+        ring.close()
+
+
+def _spy(fn, calls):
+    def spied(*a, **kw):
+        calls.append(a)
+        return fn(*a, **kw)
+    return spied

@@ -315,8 +315,7 @@ class SyncDrafter:
                 drafts[i] = []
             self.probs_capped = len(capped)
         try:
-            for i in rows:
-                writer.put(i, probs[i][: len(drafts[i])])
+            writer.put_rows([(i, probs[i][: len(drafts[i])]) for i in rows])
         except BaseException:
             writer.abandon()
             raise
