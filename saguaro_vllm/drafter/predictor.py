@@ -67,7 +67,8 @@ def top_tokens(scores: torch.Tensor, n: int) -> list[list[int]]:
     order = torch.argsort(val, descending=True, stable=True)  # best first, ties keep the lower id first
     order = order[torch.argsort(row[order], stable=True)]  # grouped by row, that order kept within a row
     out: list[list[int]] = [[] for _ in range(rows)]
-    for r, t in zip(row[order].tolist(), tok[order].tolist(), strict=True):
+    pairs = torch.stack([row[order], tok[order]]).tolist()  # one device-to-host transfer
+    for r, t in zip(*pairs, strict=True):
         if len(out[r]) < n:
             out[r].append(t)
     return out

@@ -33,15 +33,11 @@ def sample_proposals(logits: torch.Tensor, specs: Sequence[SamplingSpec],
     """Sampled rows' drafts: (tokens [n] int64, q' [n, vocab] float32). Row i's q' is its request's
     proposal (`specs[i]`: temperature, top-k, top-p) with its top `saguaro_f[i]` probabilities scaled by
     `saguaro_c[i]`, in one batched op call; its token is drawn from exactly that row with `generators[i]`."""
-    dev = logits.device
+    def per_row(values):  # Python lists: the op decides its fast path on the host, no device sync
+        return [v for v in values] if isinstance(values, Sequence) else [values] * len(specs)
 
-    def per_row(values, dtype):
-        return torch.tensor(values if isinstance(values, Sequence) else [values] * len(specs), dtype=dtype,
-                            device=dev)
-
-    q = proposal_probs(logits, per_row([s.temperature for s in specs], torch.float32),
-                       per_row([s.top_k for s in specs], torch.int64), per_row([s.top_p for s in specs], torch.float32),
-                       per_row(saguaro_f, torch.int64), per_row(saguaro_c, torch.float32))
+    q = proposal_probs(logits, per_row([s.temperature for s in specs]), per_row([s.top_k for s in specs]),
+                       per_row([s.top_p for s in specs]), per_row(saguaro_f), per_row(saguaro_c))
     return sample_rows(q, generators), q
 
 

@@ -17,7 +17,16 @@ from saguaro_vllm.ops import loader, reference
 def _per_row(value, n: int, dtype: torch.dtype, device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.to(device=device, dtype=dtype).expand(n).contiguous()
+    if isinstance(value, (list, tuple)):
+        return torch.tensor(value, dtype=dtype, device=device)
     return torch.full((n,), value, dtype=dtype, device=device)
+
+
+def _host(value, n: int) -> list | None:
+    """Per-row values known on the host (a scalar, a list), or None for a tensor (checked on its device)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist() if value.device.type == "cpu" else None
+    return list(value) if isinstance(value, (list, tuple)) else [value] * n
 
 
 def proposal_probs(
@@ -31,8 +40,12 @@ def proposal_probs(
     """`logits` [n, V] -> q' [n, V] float32. Per-row parameters are tensors [n] or scalars; temperature <= 0
     means greedy (one-hot q'). `saguaro_c` must lie in [0, 1]."""
     n, dev = logits.shape[0], logits.device
+    host = [_host(v, n) for v in (temperature, top_k, top_p, saguaro_f, saguaro_c)]
     c = _per_row(saguaro_c, n, torch.float32, dev)
-    if bool(((c < 0) | (c > 1)).any()):
+    if host[4] is not None:  # parameters the caller passed as Python values: decided without a device sync
+        if any(not 0.0 <= x <= 1.0 for x in host[4]):
+            raise ValueError("saguaro_c must lie in [0, 1]")
+    elif bool(((c < 0) | (c > 1)).any()):
         raise ValueError("saguaro_c must lie in [0, 1]")
     args = (
         _per_row(temperature, n, torch.float32, dev),
@@ -43,7 +56,12 @@ def proposal_probs(
     )
     t, k, p, f, _ = args
     vocab = logits.shape[-1]
-    if bool(((t > 0) & ((k <= 0) | (k >= vocab)) & (p >= 1) & ((f <= 0) | (c >= 1))).all()):
+    if None not in host:
+        plain = all(tt > 0 and (kk <= 0 or kk >= vocab) and pp >= 1 and (ff <= 0 or cc >= 1)
+                    for tt, kk, pp, ff, cc in zip(*host, strict=True))
+    else:
+        plain = bool(((t > 0) & ((k <= 0) | (k >= vocab)) & (p >= 1) & ((f <= 0) | (c >= 1))).all())
+    if plain:
         # No row has top-k, top-p or scaling: q' is the plain softmax, vectorised by torch (the kernels'
         # per-row passes cost ~4x more at vocab 128k on one CPU thread; benchmarks/notes.md).
         return torch.softmax(logits.float() / t[:, None], dim=-1)
