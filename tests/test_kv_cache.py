@@ -126,3 +126,26 @@ def test_reference_attention_matches_dense(block_size, heads):
     for s in range(3):
         ref = dense_causal_attention(q[starts[s] : starts[s + 1]], full_k[s], full_v[s], scale)
         torch.testing.assert_close(out[starts[s] : starts[s + 1]], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_deferred_copies_run_together_at_the_end():
+    """Inside `deferred_copies` block copies wait, then run as one indexed copy per layer; a block copied
+    to twice keeps the last source (a dropped fork's block reused by the next fork)."""
+    import torch
+
+    from saguaro_vllm.drafter.kv_cache import KVCacheConfig, PagedKVCache
+
+    cache = PagedKVCache(KVCacheConfig(num_blocks=6, block_size=2), num_layers=2, num_kv_heads=1, head_size=3,
+                         dtype=torch.float32, device="cpu")
+    for layer in cache.layers:
+        for b in range(6):
+            layer[:, b] = float(b)
+    with cache.deferred_copies():
+        cache.copy_block(1, 4)
+        cache.copy_block(2, 5)
+        cache.copy_block(3, 5)  # the later copy into block 5 wins
+        assert all((layer[:, 4] == 4).all() for layer in cache.layers)  # nothing copied yet
+    for layer in cache.layers:
+        assert (layer[:, 4] == 1).all() and (layer[:, 5] == 3).all() and (layer[:, 1] == 1).all()
+    cache.copy_block(0, 4)  # outside: at once
+    assert all((layer[:, 4] == 0).all() for layer in cache.layers)

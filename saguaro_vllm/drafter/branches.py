@@ -98,7 +98,14 @@ def _admit(
                 raise ValueError(f"request {root.req_id!r}: depth {j} needs {root.context_len + j} tokens of "
                                  f"KV, {computed} are computed (depth K needs the glue first)")
     admitted: list[list[Branch]] = [[] for _ in roots]
-    copies = growth = 0
+    counts = [0, 0]  # KV blocks copied by forks, reserved for growth
+    with runner.kv_cache.deferred_copies():  # every fork's partial-block copy in one indexed copy per layer
+        _admit_ranks(runner, roots, candidates, steps, admitted, counts)
+    return admitted, counts[0], counts[1]
+
+
+def _admit_ranks(runner: DraftModelRunner, roots, candidates, steps: list[int], admitted: list[list[Branch]],
+                 counts: list[int]) -> None:
     for rank in range(max((len(c) for c in candidates), default=0)):
         for r, root in enumerate(roots):
             if rank >= len(candidates[r]) or steps[r] < 1:
@@ -116,10 +123,9 @@ def _admit(
             except OutOfBlocksError:
                 runner.free_request(seq_id)
                 continue
-            copies += free - forked
-            growth += forked - runner.num_free_blocks
+            counts[0] += free - forked
+            counts[1] += forked - runner.num_free_blocks
             admitted[r].append(Branch(root.req_id, depth, bonus, seq_id, []))
-    return admitted, copies, growth
 
 
 class BranchRun:
