@@ -67,7 +67,7 @@ class PreDrafter:
             while not run.done:
                 s0 = time.perf_counter()
                 rows = run.live_rows
-                run.step()
+                run.step()  # ends with its tokens' transfer to the host: the forward is done on any device
                 self.planner.record_forward(rows, time.perf_counter() - s0)
                 yield
         finally:

@@ -120,6 +120,12 @@ class DraftModelRunner:
         self._requests[parent_id] = child
         del self._requests[child_id]
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (CUDA; nothing on CPU): timings the planner learns from must
+        measure the forward, not how fast its kernels were launched."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @property
     def num_free_blocks(self) -> int:
         return self.kv_cache.allocator.num_free

@@ -193,6 +193,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         """A timed forward: the planner's cost model learns from every forward the drafter runs."""
         t0 = time.perf_counter()
         logits = super()._forward(chunks, num_logits=num_logits)
+        self.runner.synchronize()  # on CUDA the clock must see the forward, not its launch
         self.planner.record_forward(sum(len(c[1]) for c in chunks), time.perf_counter() - t0, logits=logits.shape[0])
         return logits
 
