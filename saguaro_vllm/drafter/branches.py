@@ -58,11 +58,20 @@ class Branch:
     bonus: int
     seq_id: str
     tokens: list[int]
-    #: per step, with keep_logits: the fp32 logits [vocab] (next round's depth distributions) and, for
-    #: sampled proposals, the proposal probabilities; kept as lists (stacking every branch's rows would
-    #: cost time on the critical path when a pre-draft is cut short; only the hit's are ever used)
-    logit_rows: list[torch.Tensor] = field(default_factory=list)
-    prob_rows: list[torch.Tensor] = field(default_factory=list)
+    #: per step, with keep_logits: where its fp32 logits [vocab] are (next round's depth distributions)
+    #: and, for sampled proposals, its proposal probabilities: (the step's tensor, row) pairs, made into
+    #: views only when read (only the hit's are ever used; a view per branch and step cost ~80 us of host
+    #: time each, 0.16 s per step at batch 64 x 32 branches)
+    logit_refs: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    prob_refs: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+
+    @property
+    def logit_rows(self) -> list[torch.Tensor]:
+        return [t[r] for t, r in self.logit_refs]
+
+    @property
+    def prob_rows(self) -> list[torch.Tensor]:
+        return [t[r] for t, r in self.prob_refs]
 
     @property
     def logits(self) -> torch.Tensor | None:
@@ -162,8 +171,8 @@ class BranchRun:
         #: branches' tokens past a block edge (all of a round's blocks are taken here, none by `step`).
         #: candidates left out because the KV cache had no room for them
         self.dropped = sum(len(c) for c in candidates) - len(self._flat)
-        self._logits: list[list[torch.Tensor]] = [[] for _ in self._flat]
-        self._probs: list[list[torch.Tensor]] = [[] for _ in self._flat]
+        self._logits: list[list[tuple[torch.Tensor, int]]] = [[] for _ in self._flat]
+        self._probs: list[list[tuple[torch.Tensor, int]]] = [[] for _ in self._flat]
         self.steps_done = 0
 
     @property
@@ -200,9 +209,9 @@ class BranchRun:
             chosen.append(tokens.reshape(-1))
             for row, i in enumerate(live[start:end]):
                 if self.keep_logits:
-                    self._logits[i].append(logits[start + row])
+                    self._logits[i].append((logits, start + row))
                 if probs is not None:
-                    self._probs[i].append(probs[row])
+                    self._probs[i].append((probs, row))
             start = end
         # every branch's token in one device-to-host transfer (not one per branch: 512 at batch 16 x 32)
         for i, tok in zip(live, torch.cat(chosen).tolist(), strict=True):
@@ -212,5 +221,5 @@ class BranchRun:
         """The branches (grouped by root, in candidate order), each owning its runner sequence: free it, or
         `runner.adopt` it on a hit. Branches cut short before their first step have no tokens."""
         for (_, _, b), lg, pr in zip(self._flat, self._logits, self._probs, strict=True):
-            b.logit_rows, b.prob_rows = lg, pr
+            b.logit_refs, b.prob_refs = lg, pr
         return [b for _, _, b in self._flat]

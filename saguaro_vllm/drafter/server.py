@@ -13,6 +13,7 @@ import argparse
 import ctypes
 import json
 import logging
+import gc
 import os
 import shutil
 import signal
@@ -24,6 +25,7 @@ import torch
 
 from saguaro_vllm.proposal_buffers import ProposalRing
 from saguaro_vllm.transport import (
+    DEVICE_ERROR_EXIT,
     Channel,
     Failed,
     MessageRejected,
@@ -40,7 +42,9 @@ CONTROL_WAIT_S = 10.0  # Ready / Failed wait this long for the proposer's socket
 REPLY_WAIT_S = 2.0
 DELAY_ENV = "SAGUARO_DRAFTER_DELAY_S"
 #: Testing aid: while the file this names exists, every step raises (the drafter answers "no drafts" and
-#: asks for its rows again), as a drafter with a bug would.
+#: asks for its rows again), as a drafter with a bug would. A file whose text starts with "cuda" makes the
+#: step raise a CUDA error instead ("CUDA error: an illegal memory access ..."), as a poisoned GPU would:
+#: the drafter then exits with DEVICE_ERROR_EXIT and its client restarts it.
 FAIL_FILE_ENV = "SAGUARO_DRAFTER_FAIL_FILE"
 
 
@@ -56,12 +60,20 @@ def place_process(cfg: dict) -> None:
 
         pin_process(cores)
     elif cfg["device"].startswith("cuda"):
+        index, count = torch.device(cfg["device"]).index or 0, torch.cuda.device_count()
+        if index >= count:  # (the front end checked its own view; under Ray the worker's may differ)
+            raise ValueError(
+                f"speculative_config.saguaro.device: {cfg['device']!r} is not visible to the drafter, which sees "
+                f"{count} GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}, "
+                "inherited from the vLLM worker that starts it). Set saguaro.device to a GPU that worker sees "
+                "(numbered as it sees them, e.g. 'cuda:0'), or 'cpu'; under the Ray executor use the mp executor "
+                "(--distributed-executor-backend mp) to place the drafter on a GPU of its own.")
         torch.cuda.set_device(torch.device(cfg["device"]))
 
 
 def build_drafter(cfg: dict):
     """The draft model, its paged KV cache and the drafting engine for `cfg` (the resolved config)."""
-    from saguaro_vllm.drafter.kv_cache import KVCacheConfig, num_blocks_for_budget
+    from saguaro_vllm.drafter.kv_cache import KVCacheConfig, kv_budget_bytes, num_blocks_for_budget
     from saguaro_vllm.drafter.model.linear_kernels import (install_linear_kernel, resolve_linear,
                                                           warm_linear_kernels)
     from saguaro_vllm.drafter.model.loader import load_draft_model
@@ -77,17 +89,23 @@ def build_drafter(cfg: dict):
     warmed_rows, warm_s = warm_linear_kernels(model, cfg["saguaro"]["max_tokens_per_forward"])
     mc = model.config
     block_size = cfg["saguaro"]["block_size"]
-    num_blocks = num_blocks_for_budget(
-        int(cfg["saguaro"]["kv_cache_gb"] * 2**30), mc.num_layers, block_size, mc.num_kv_heads, mc.head_size,
-        dtype,
-    )
+    # "auto" on a GPU of its own: a share of the memory left free once the draft is loaded (kv_cache.py)
+    kv_bytes = kv_budget_bytes(cfg["saguaro"]["kv_cache_gb"], cfg["device"])
+    try:
+        num_blocks = num_blocks_for_budget(kv_bytes, mc.num_layers, block_size, mc.num_kv_heads, mc.head_size,
+                                           dtype)
+    except ValueError as err:
+        raise ValueError(f"speculative_config.saguaro.kv_cache_gb {cfg['saguaro']['kv_cache_gb']!r} gives "
+                         f"{kv_bytes} bytes on {cfg['device']}: {err} (set saguaro.kv_cache_gb to a number of "
+                         "GiB, or free memory on the draft's device)") from None
     runner = DraftModelRunner(model, KVCacheConfig(num_blocks=num_blocks, block_size=block_size),
                               max_tokens_per_seq=cfg["saguaro"]["max_tokens_per_forward"])
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     if delay > 0:
         _slow_down(runner, delay)
     mode = cfg["saguaro"].get("mode", "async")
-    info = {"num_blocks": num_blocks, "mode": mode, "linear": linear, "warmed_rows": warmed_rows,
+    info = {"num_blocks": num_blocks, "kv_cache_gib": round(kv_bytes / 2**30, 3), "mode": mode, "linear": linear,
+            "warmed_rows": warmed_rows,
             "warm_s": round(warm_s, 2),
             # e.g. "attention=cpp sampling=cpp linear=packed (saguaro_ops, sources: package)"
             "ops": ops_loader.summary(cfg["device"], linear=linear)}
@@ -154,6 +172,33 @@ def watch_parent(parent_pid: int) -> None:
         raise _Exit()
 
 
+def device_unusable(err: BaseException) -> bool:
+    """Whether `err` leaves this process's device unusable: a CUDA error (an illegal address, a launch
+    failure, an ECC error ...) poisons the CUDA context, so every later step would fail the same way; only a
+    new process gets a working context. torch raises them as `torch.cuda.CudaError`, `torch.AcceleratorError`
+    (newer torch) or a RuntimeError reading "CUDA error: ...". Running out of memory is not one of them."""
+    if isinstance(err, torch.cuda.OutOfMemoryError):
+        return False
+    kinds = tuple(k for k in (getattr(torch.cuda, "CudaError", None), getattr(torch, "AcceleratorError", None))
+                  if isinstance(k, type))
+    if kinds and isinstance(err, kinds):
+        return True
+    return isinstance(err, RuntimeError) and str(err).lstrip().startswith("CUDA error")
+
+
+def _exit_on_device_error(chan: Channel, msg: StepRequest | None, err: Exception) -> int:
+    """Answer the step in flight (no drafts, its rows to be resent) and return DEVICE_ERROR_EXIT: the drafter
+    exits and its client starts a new one (within saguaro.max_restarts)."""
+    logger.error("drafter: a step raised a device error that leaves the GPU unusable in this process; exiting "
+                 "with status %d so that a new drafter is started", DEVICE_ERROR_EXIT, exc_info=err)
+    if msg is not None:
+        chan.send(StepResponse(msg.step, [[] for _ in msg.rows], {}, 0.0, resync=[r.req_id for r in msg.rows],
+                               error=f"{type(err).__name__}: {err} (the drafter exits: device unusable)"[:4096]),
+                  wait_s=REPLY_WAIT_S)
+        time.sleep(0.5)  # the socket drops unsent messages on close (linger 0): let the reply go out
+    return DEVICE_ERROR_EXIT
+
+
 def _reply_error(drafter, msg: StepRequest, err: Exception, first: bool) -> StepResponse:
     """A failing step must not take the drafter down: free its rows and ask for them to be resent. The first
     failure of a run of them is logged with its traceback, the others only answered."""
@@ -178,6 +223,12 @@ def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
             chan.send(Failed(f"{type(err).__name__}: {err}\n{traceback.format_exc()}"[:65536]), wait_s=CONTROL_WAIT_S)
             time.sleep(0.5)
             return 1
+        # Everything loaded so far (torch, the model, its kernels) lives as long as the process: moved out of
+        # the collector's sight, so a full collection scans only what steps allocate. Without it a full
+        # collection landed every few hundred steps, 0.13 s long at batch 64 x 32 branches (host-overhead
+        # benchmark), on the critical path whenever a request came meanwhile. vLLM freezes its own heap alike.
+        gc.collect()
+        gc.freeze()
         info.update(threads=torch.get_num_threads(), cores=sorted(os.sched_getaffinity(0)))
         chan.send(Ready(os.getpid(), info), wait_s=CONTROL_WAIT_S)
         rejected: set[str] = set()
@@ -197,8 +248,8 @@ def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
                               wait_s=REPLY_WAIT_S)
                 continue
             if msg is None:
-                if busy:
-                    _advance(drafter)
+                if busy and not _advance(drafter):
+                    return DEVICE_ERROR_EXIT
                 elif not _parent_alive(parent_pid):
                     return 0
                 continue
@@ -206,9 +257,11 @@ def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
                 return 0
             try:
                 if fail_file and os.path.exists(fail_file):
-                    raise RuntimeError(f"injected failure ({FAIL_FILE_ENV}={fail_file})")
+                    _injected_failure(fail_file)
                 resp = drafter.step(msg)
             except Exception as err:
+                if device_unusable(err):
+                    return _exit_on_device_error(chan, msg, err)
                 resp = _reply_error(drafter, msg, err, first=not failing)
                 failing += 1
             else:
@@ -221,12 +274,32 @@ def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
         chan.close()
 
 
-def _advance(drafter) -> None:
-    """One pre-drafting forward (`mode: async`); a failure only loses this round's pre-drafts."""
+def _injected_failure(fail_file: str) -> None:
+    """`SAGUARO_DRAFTER_FAIL_FILE`: raise as a buggy drafter would, or as a poisoned GPU ("cuda" in the file)."""
+    try:
+        with open(fail_file) as f:
+            kind = f.read(16).strip().lower()
+    except OSError:
+        kind = ""
+    if kind.startswith("cuda"):
+        raise RuntimeError(f"CUDA error: an illegal memory access was encountered (injected: {FAIL_FILE_ENV}="
+                           f"{fail_file})")
+    raise RuntimeError(f"injected failure ({FAIL_FILE_ENV}={fail_file})")
+
+
+def _advance(drafter) -> bool:
+    """One pre-drafting forward (`mode: async`); a failure only loses this round's pre-drafts, unless it left
+    the device unusable (then False: the drafter must exit)."""
     try:
         drafter.advance()
-    except Exception:
+    except Exception as err:
+        if device_unusable(err):
+            logger.error("drafter: a device error during pre-drafting left the GPU unusable in this process; "
+                         "exiting with status %d so that a new drafter is started", DEVICE_ERROR_EXIT,
+                         exc_info=err)
+            return False
         logger.exception("pre-drafting failed; this round's outcomes will miss")
+    return True
 
 
 def read_bootstrap(path: str) -> dict:
@@ -256,4 +329,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == DEVICE_ERROR_EXIT:  # skip interpreter teardown: freeing memory in a poisoned CUDA context can hang
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
