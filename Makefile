@@ -16,13 +16,17 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not engine"
 
-# Every case of benchmarks/cases.json, the depth ceiling and the verification curve (about 4 hours on
-# 2 cores), then docs/benchmarks.md and plots.
+# Every case of benchmarks/cases.json, the depth ceiling, the verification curve, every engine at real
+# vocabularies and the drafter's host overhead (about 4.5 hours on 2 cores), then docs/benchmarks.md and plots.
 BENCH_CASES ?= cost-matrix temperature per-row-backup batch-sweep-32-64 cost-equal-cores raw-b1 sweep-scale sweep-scale-top-f1 finish-predraft
 bench: setup
 	for c in $(BENCH_CASES); do $(PY) benchmarks/run.py --case $$c || exit 1; done
 	$(PY) benchmarks/ceiling.py
 	$(PY) benchmarks/verify_curve.py --depths 0,1,2,3,5,8
+	$(PY) benchmarks/bench_transport.py --vocabs 128256,151936 --batches 1,16,64 --temperatures 0,1 \
+		--engines vllm-ar,vllm-draft_model,saguaro-sync,saguaro-async --max-tokens 96 --max-num-seqs 1024 --label real-vocab
+	$(PY) benchmarks/bench_host_overhead.py --label greedy
+	$(PY) benchmarks/bench_host_overhead.py --batches 1,16 --budgets 0,8 --temperatures 1 --rounds 4 --label sampled-128k
 	$(PY) benchmarks/report.py
 
 clean:

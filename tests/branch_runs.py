@@ -26,7 +26,8 @@ def glue(runner: DraftModelRunner, roots: Sequence[BranchRoot], vocab_size: int 
 def bonus_distributions(draft_logits: Sequence[torch.Tensor], glue_logits: torch.Tensor) -> torch.Tensor:
     """`[K+1, vocab]`: row j < K is the distribution x_{j+1} was drafted from (the draft's guess of the bonus
     token if exactly j drafts are accepted), row K the glue's."""
-    return torch.cat([torch.stack(list(draft_logits)), glue_logits[None]])
+    rows = [d[0][d[1]] if isinstance(d, tuple) else d for d in draft_logits]  # (tensor, row) references
+    return torch.cat([torch.stack(rows), glue_logits[None]])
 
 
 def draft_branches(*args, **kwargs) -> list[Branch]:

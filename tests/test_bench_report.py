@@ -232,3 +232,31 @@ def test_oracle_proposer_returns_the_recorded_continuation(tmp_path, monkeypatch
     drafts = oracle.propose([[4], [8], [5]], np.array([4, 3, 3]), tokens)
     assert drafts == [[5, 6, 7], [7, 6, 5], []]
     assert oracle.propose([[]], np.array([4]), tokens[:1]) == [[]]  # a prefill chunk: nothing to draft
+
+
+def test_real_vocab_and_host_overhead_sections():
+    """The issue-26 table compares every Saguaro mode with `draft_model` per cell and says met or by how much
+    it missed; the host-overhead table lists every tree's row."""
+    machine = {"cpu": "test CPU", "cpus": 2}
+
+    def row(engine, batch, t, step, **kw):
+        return {"engine": engine, "vocab": 128256, "batch": batch, "temperature": t, "step_ms": step, **kw}
+
+    data = {"_file": "x.json", "date": "2026-12-05T00:00", "commit": "abc", "model": "m", "k": 5, "max_tokens": 96,
+            "prompt_len": 16, "placement": "p", "machine": machine, "command": "cmd", "results": [
+                row("vllm-ar", 16, 0.0, 7.0), row("vllm-draft_model", 16, 0.0, 150.0),
+                row("saguaro-sync", 16, 0.0, 140.0), row("saguaro-async", 16, 0.0, 165.0, ring_used_mb=10.0,
+                                                         saguaro={"cache_lookups_total{depth=\"5\"}": 4.0,
+                                                                  "cache_hits_total{depth=\"5\"}": 3.0})]}
+    text = "\n".join(report.real_vocab_section(data))
+    assert "| 128256 | 16 | 0 | 7.0 | 150.0 | 140.0 | 165.0 | 0.93x | 1.10x | 0.75 | 10 |" in text
+    assert "Saguaro `sync` 140.0 ms per step against 150.0 (met)" in text
+    assert "Saguaro `async` 165.0 ms per step against 150.0 (missed by 10 %)" in text
+    host = [{"_file": "h.json", "label": "greedy", "date": "2026-12-05T00:00", "commit": "abc", "machine": machine,
+             "command": "cmd", "results": [
+                 {"temperature": 0.0, "vocab": 256, "batch": 64, "budget": 32, "tree": t, "answer_ms": a,
+                  "glue_ms": 1.0, "branch_step_ms": b, "jit_ms": None, "transfers_per_forward": x}
+                 for t, a, b, x in (("before", 2.0, 9.0, 400.0), ("after", 0.5, 1.5, 1.0))]}]
+    text = "\n".join(report.host_overhead_section(host))
+    assert "| 0 | 256 | 64 | 32 | after | 0.50 | 1.00 | 1.50 | - | 1.0 |" in text
+    assert "| 0 | 256 | 64 | 32 | before | 2.00 | 1.00 | 9.00 | - | 400.0 |" in text

@@ -126,7 +126,7 @@ class PreDrafter:
             st.drafted = list(sent.drafts)  # all drafts have KV now
             st.draft_logits = []
             roots.append(BranchRoot(rid, sent.context_len, tuple(sent.drafts)))
-            scores.append(torch.cat([torch.stack(kept), rows]) if kept else rows)
+            scores.append(torch.cat([torch.stack([t[r] for t, r in kept]), rows]) if kept else rows)
         return roots, scores
 
     def _catch_up_chunks(self, req_ids, protect: set[str]) -> list[tuple[str, list[int], int]]:

@@ -271,7 +271,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
             keep = min(len(toks), ans.want[i])
             ans.drafts[i] = toks[:keep]
             st.drafted = toks[: max(keep - 1, 0)]
-            st.draft_logits = list(branch.logit_rows[:keep])
+            st.draft_logits = branch.logit_refs[:keep]
             if self.runner.num_computed(row.req_id) > len(st.context) + len(st.drafted):
                 self.runner.truncate(row.req_id, len(st.context) + len(st.drafted))
             if branch.prob_rows and keep:

@@ -33,9 +33,10 @@ class _ReqState:
     generator: torch.Generator | None
     context: list[int] = dataclasses.field(default_factory=list)
     drafted: list[int] = dataclasses.field(default_factory=list)  # drafts with KV after the context
-    #: with `keep_logits`: the draft logits each draft of the last step was chosen from ([vocab] each);
-    #: row j is the depth-j bonus distribution that SSD's outcome prediction needs (drafter/branches.py).
-    draft_logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    #: with `keep_logits`: where the draft logits each draft of the last step was chosen from are ([vocab]
+    #: rows as (tensor, row) pairs: a view per row costs host time, and only the pre-draft reads them); row j
+    #: is the depth-j bonus distribution that SSD's outcome prediction needs (drafter/branches.py).
+    draft_logits: list[tuple[torch.Tensor, int]] = dataclasses.field(default_factory=list)
     #: `mode: async` with `sampling_scale: "auto"`: the Saguaro sampling C this request drafts with now
     scale: float | None = None
 
@@ -254,7 +255,7 @@ class SyncDrafter:
                     st.drafted.append(drafts[i][-1])
                 drafts[i].append(tokens[n])
                 if self.keep_logits:
-                    st.draft_logits.append(logits[n])
+                    st.draft_logits.append((logits, n))
                 if qs[n] is not None:
                     probs.setdefault(i, []).append(qs[n])
                 jobs[i] -= 1
