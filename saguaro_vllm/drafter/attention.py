@@ -39,6 +39,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
+#: Multi-token forwards attend at most this many queries of a sequence at a time, and fewer where the score
+#: block `[num_heads, queries, visible keys]` would exceed `REFERENCE_SCORE_BUDGET` elements (32 MB in fp32), so
+#: a long prompt never builds a mask or score matrix over its whole context.
+REFERENCE_QUERY_CHUNK = 256
+REFERENCE_SCORE_BUDGET = 1 << 23
+
+
 def reference_paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -46,28 +53,38 @@ def reference_paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    query_chunk: int | None = None,
 ) -> torch.Tensor:
     """Plain-torch causal paged attention, fp32 accumulation; the reference fused ops are tested against.
 
     Query `i` of a sequence with `n` queries and KV length `L` sits at KV index `L - n + i` and sees KV
-    indices `0..L-n+i` of its own sequence.
+    indices `0..L-n+i` of its own sequence. A sequence's queries are processed in chunks (`query_chunk`,
+    default `REFERENCE_QUERY_CHUNK`, fewer for many heads and long contexts): each chunk attends only to the
+    keys its last query sees, with a mask over the chunk alone; keys no query of the chunk sees are left out
+    rather than masked (they would contribute exp(-inf) = 0).
     """
     write_kv(k, v, kv_cache, meta.slot_mapping)
     block_size = kv_cache.shape[2]
     out = torch.empty_like(q)
     starts = meta.query_start_loc_cpu
+    chunk = query_chunk or REFERENCE_QUERY_CHUNK
     for s, kv_len in enumerate(meta.seq_lens_cpu):
         q_start, q_end = starts[s], starts[s + 1]
         n = q_end - q_start
         blocks = meta.block_table[s, : -(-kv_len // block_size)]
         # [2, blocks, block_size, Hkv, D] -> [2, Hkv, kv_len, D]
         kv = kv_cache[:, blocks].flatten(1, 2)[:, :kv_len].transpose(1, 2).float()
-        qs = q[q_start:q_end].transpose(0, 1).float()
-        mask = None
-        if n > 1:
-            mask = torch.ones(n, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - n)
-        o = F.scaled_dot_product_attention(qs, kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True)
-        out[q_start:q_end] = o.transpose(0, 1).to(q.dtype)
+        rows = max(1, min(chunk, REFERENCE_SCORE_BUDGET // (q.shape[1] * kv_len)))
+        for c0 in range(0, n, rows):
+            c1 = min(n, c0 + rows)
+            m, visible = c1 - c0, kv_len - n + c1  # the chunk's last query sees keys 0..visible-1
+            qs = q[q_start + c0 : q_start + c1].transpose(0, 1).float()
+            mask = None
+            if m > 1:
+                mask = torch.ones(m, visible, dtype=torch.bool, device=q.device).tril(visible - m)
+            o = F.scaled_dot_product_attention(qs, kv[0, :, :visible], kv[1, :, :visible], attn_mask=mask,
+                                               scale=scale, enable_gqa=True)
+            out[q_start + c0 : q_start + c1] = o.transpose(0, 1).to(q.dtype)
     return out
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from saguaro_vllm.drafter import vllm_attention
 from saguaro_vllm.drafter.attention import AttentionMetadata
 from saguaro_vllm.drafter.kv_cache import BlockTable, KVCacheConfig, OutOfBlocksError, PagedKVCache
 from saguaro_vllm.drafter.model.llama import LlamaForCausalLM
@@ -59,6 +60,11 @@ class DraftModelRunner:
         #: One-token-per-sequence passes use the compiled branch-attention op (when it is built for this
         #: device; `SAGUARO_OPS=reference` turns it off) instead of the per-sequence reference loop.
         self.fused_decode = loader.use_compiled(self.device)
+        #: On CUDA every pass (decode and multi-token) runs vLLM's paged varlen attention (FlashAttention or its
+        #: Triton `unified_attention`, see vllm_attention.py) when vLLM has it; `vllm_backend` is None elsewhere
+        #: (CPU, or no vLLM), and the passes keep the paths above. `attention_impl` names what runs.
+        self.attention_impl, self.vllm_backend = vllm_attention.select(
+            self.device, self.dtype, cfg.head_size, self.block_size)
 
     # ---- request state -------------------------------------------------------------------------
     def add_request(self, req_id: str) -> None:
@@ -208,7 +214,9 @@ class DraftModelRunner:
             max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
         )
-        if max_query_len == 1 and self.fused_decode:
+        if self.vllm_backend is not None:
+            meta.backend = self.vllm_backend
+        elif max_query_len == 1 and self.fused_decode:
             meta.backend = decode_attention
         input_t, positions_t = self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
         hidden = self.model(input_t, positions_t, self.kv_cache.layers, meta)
