@@ -331,13 +331,15 @@ def run_cases(server: VLLMServer, inputs, tmp: Path, mode: str) -> dict[str, dic
 
 
 def run_servers(pair, tmp: Path) -> dict[str, dict]:
-    """{"cases": {mode: records}, "faults": {fault: result}} of the plain, sync and async servers.
+    """{"cases": {mode: records}, "faults": {fault: result}, "metric_names": {mode: names on /metrics}} of the
+    plain, sync and async servers.
 
     Order per server: ready; its faults (or, plain, the faults' reference batch) while nothing else runs,
     since they time the fault's cost; then the next server boots while this one runs the request cases."""
     servers = [_server(pair, tmp, mode) for mode in MODES]
     cases: dict[str, dict] = {}
     faults: dict[str, dict] = {}
+    names: dict[str, list[str]] = {}  # per server, the metric names its /metrics page showed at the end
     reference: list[str] | None = None
     inputs = find_inputs(pair[0])
     try:
@@ -351,8 +353,9 @@ def run_servers(pair, tmp: Path) -> dict[str, dict]:
             if i + 1 < len(servers):
                 servers[i + 1].launch()
             cases[mode] = run_cases(server, inputs, tmp, mode)
+            names[mode] = sorted({k.split("{")[0] for k in server.metric_samples()})
             server.stop()
     finally:
         for server in servers:
             server.stop()
-    return {"cases": cases, "faults": faults}
+    return {"cases": cases, "faults": faults, "metric_names": names}

@@ -176,3 +176,14 @@ def test_stream_disconnect_aborts_and_frees_drafter_state(plain, spec):
     assert s["held_after_follow_up"] == 0
     assert s["follow_up"] == p["follow_up"]
     _assert_speculated(spec, "stream_disconnect")
+
+
+def test_dashboard_queries_name_metrics_a_running_server_exports(served):
+    """Every metric the Grafana dashboard queries is on the async server's /metrics page after the cases
+    (Prometheus multiprocess mode), except the per-depth step counter, which only `depth: "auto"` fills."""
+    from test_dashboard import dashboard_metrics
+
+    page = set(served["metric_names"]["async"])
+    missing = dashboard_metrics() - page - {"vllm:saguaro_depth_steps_total"}
+    assert not missing, sorted(missing)
+    assert "vllm:saguaro_cache_hits_total" in page and "vllm:spec_decode_num_drafts_total" in page
