@@ -78,8 +78,11 @@ class SaguaroOptions(BaseModel):
         "installed, else `plain`."
     )
     block_size: int = Field(16, description="Tokens per block of the drafter's paged KV cache.")
-    kv_cache_gb: float = Field(
-        1.0, description="Memory for the drafter's KV cache, in GiB (sizes the number of blocks)."
+    kv_cache_gb: float | Literal["auto"] = Field(
+        "auto", description="Memory for the drafter's KV cache, in GiB (sizes the number of blocks). `auto`: "
+        "1 GiB on CPU and on a GPU shared with the target (or placed by Ray); on a GPU of its own, half of that "
+        "GPU's free memory measured by the drafter after loading the draft (at least 1 GiB while that leaves "
+        "512 MiB free)."
     )
     max_sampled_rows: int | Literal["auto"] = Field(
         "auto",
@@ -213,12 +216,24 @@ class SaguaroOptions(BaseModel):
             raise ValueError("needs K+1 non-negative numbers summing to 1..256")
         return v
 
-    @field_validator("kv_cache_gb", "step_timeout_s", "startup_timeout_s", "step_deadline_floor_s")
+    @field_validator("step_timeout_s", "startup_timeout_s", "step_deadline_floor_s")
     @classmethod
     def _positive(cls, v: float) -> float:
         if v <= 0:
             raise ValueError("must be > 0")
         return v
+
+    @field_validator("kv_cache_gb", mode="before")
+    @classmethod
+    def _kv_cache_gb(cls, v: Any) -> Any:
+        if v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError("must be a number of GiB > 0 (e.g. 2.0), or \"auto\" (a share of the draft GPU's "
+                             "free memory, 1 GiB on CPU)")
+        if not 0 < v < float("inf"):
+            raise ValueError("must be > 0 (GiB), or \"auto\"")
+        return float(v)
 
     @field_validator("max_restarts")
     @classmethod
@@ -259,7 +274,12 @@ class SaguaroConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     method: Literal["saguaro"]
-    model: str = Field(description="The draft model: a local Hugging Face model directory (or a cached HF id).")
+    model: str = Field(description="The draft model: a local Hugging Face model directory, or a Hugging Face hub "
+                       "id (downloaded as vLLM downloads models; from the local cache only under HF_HUB_OFFLINE=1).")
+    revision: str | None = Field(
+        None, description="vLLM's key for the draft's hub revision (branch, tag or commit) when `model` is a hub "
+        "id. Default: the main branch.",
+    )
     num_speculative_tokens: int = Field(description="K: draft tokens per verification.")
     max_model_len: int | None = Field(
         None,

@@ -37,6 +37,7 @@ from saguaro_vllm.drafter_policy import RestartPolicy, StepDeadline, process_pro
 from saguaro_vllm.metrics import SaguaroMetrics
 from saguaro_vllm.transport import (
     CONTROL_MAX_BYTES,
+    DEVICE_ERROR_EXIT,
     Channel,
     Failed,
     MessageRejected,
@@ -89,6 +90,14 @@ class _Processes:
                 proc.wait(timeout=3)
             shutil.rmtree(socket_dir, ignore_errors=True)
         self.procs.clear()
+
+
+def _exited(code: int) -> str:
+    """How the log names a drafter's exit: its status, and what the drafter's own status means."""
+    if code == DEVICE_ERROR_EXIT:
+        return (f"exited with code {code} (a CUDA error left its GPU unusable; the drafter's log has the "
+                "traceback)")
+    return f"exited with code {code}"
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:
@@ -243,7 +252,7 @@ class DrafterClient:
             self._poll_late()
         elif self.state == READY:
             if self.proc.poll() is not None:
-                self._lost(f"exited with code {self.proc.returncode}")
+                self._lost(_exited(self.proc.returncode))
             elif self.policy.refill():
                 self.logger.info("Saguaro: drafter healthy for %.0f s; restart budget refilled",
                                  self.policy.healthy_reset_s)
@@ -267,7 +276,7 @@ class DrafterClient:
         elif msg is not None:
             self._lost(f"sent {type(msg).__name__} before Ready")
         elif self.proc.poll() is not None:
-            self._lost(f"exited with code {self.proc.returncode} while loading")
+            self._lost(f"{_exited(self.proc.returncode)} while loading")
         elif self.clock() - self._started_at > self.startup_timeout_s:
             self._lost(f"did not load within {self.startup_timeout_s:.0f} s (saguaro.startup_timeout_s)")
 
@@ -286,7 +295,7 @@ class DrafterClient:
             return
         now = self.clock()
         if self.proc.poll() is not None:
-            self._lost(f"exited with code {self.proc.returncode} while computing a late step")
+            self._lost(f"{_exited(self.proc.returncode)} while computing a late step")
         elif now - late["sent"] > self.step_timeout_s:
             self._lost(f"did not answer step {late['step']} within {self.step_timeout_s:g} s "
                        "(saguaro.step_timeout_s)")
@@ -360,7 +369,7 @@ class DrafterClient:
             raise self._unavailable(self.state)
         if not self.chan.send(req):  # no peer on the socket: a PAIR socket does not reconnect, restart
             code = self.proc.poll()
-            self._lost(f"exited with code {code}" if code is not None else "dropped its connection")
+            self._lost(_exited(code) if code is not None else "dropped its connection")
             raise self._unavailable("send", "the drafter did not take the request")
         sent = self.clock()
         tokens = sum(len(r.new_tokens) for r in req.rows)
@@ -377,7 +386,7 @@ class DrafterClient:
                 raise self._unavailable(err.reason, str(err), delivered=True) from None
             if msg is None:
                 if self.proc.poll() is not None:
-                    self._lost(f"exited with code {self.proc.returncode} during a step")
+                    self._lost(f"{_exited(self.proc.returncode)} during a step")
                     raise self._unavailable("died", delivered=True)
                 if left <= 0:
                     self._missed_deadline(req, sent, limit, tokens, max_bytes, max_frames, probe)

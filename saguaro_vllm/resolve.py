@@ -19,19 +19,86 @@ SUPPORTED_DRAFT_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 logger = logging.getLogger("vllm.saguaro")
 
 
-def resolve_draft_path(model: str) -> pathlib.Path:
-    """A local HF model dir, or an HF id already in the local hub cache (no download)."""
+#: What the drafter reads of a hub repo: configs, tokenizer files, safetensors weights (and their index).
+DRAFT_FILES = ["*.json", "*.safetensors", "tokenizer.model"]
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub (and vLLM) read it at import, or as the environment says now."""
+    from huggingface_hub import constants
+
+    now = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return bool(constants.HF_HUB_OFFLINE) or now.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _is_hub_id(model: str) -> bool:
+    if model.startswith(("/", ".", "~")):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _download_lock(model: str, cache_dir: str | None):
+    """vLLM's per-model file lock for downloads (concurrent engines fetch a model once), where it has one."""
+    try:
+        from vllm.model_executor.model_loader.weight_utils import get_lock
+
+        return get_lock(model, cache_dir)
+    except Exception:  # vLLM absent or changed: no lock (huggingface_hub locks each file itself)
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def download_draft(model: str, download_dir: str | None = None, revision: str | None = None) -> pathlib.Path:
+    """The snapshot of hub id `model` (config, tokenizer and safetensors files only), downloaded into the
+    Hugging Face cache (or vLLM's `download_dir`) as vLLM downloads the target. Under HF_HUB_OFFLINE=1 only the
+    cache is read, never the network."""
+    from huggingface_hub import constants, snapshot_download
+
+    offline = _hub_offline()
+    at = f" at revision {revision!r}" if revision else ""
+    cache = download_dir or constants.HF_HUB_CACHE
+    try:
+        with _download_lock(model, download_dir):
+            return pathlib.Path(snapshot_download(model, revision=revision, cache_dir=download_dir,
+                                                  allow_patterns=DRAFT_FILES, local_files_only=offline))
+    except Exception as err:
+        why = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
+        if offline:
+            raise SaguaroConfigError(
+                f"speculative_config.model: draft model {model!r}{at} is not in the local Hugging Face cache "
+                f"({cache}) and HF_HUB_OFFLINE=1 forbids downloading it; download it once with network access "
+                f"(`hf download {model}{' --revision ' + revision if revision else ''}`, into that cache), give a "
+                "local model directory instead, or unset HF_HUB_OFFLINE."
+            ) from None
+        raise SaguaroConfigError(
+            f"speculative_config.model: could not download draft model {model!r}{at} from the Hugging Face Hub "
+            f"into {cache} ({why}); check the id and revision, the network, and HF_TOKEN for a gated or private "
+            "model, or give a local model directory."
+        ) from None
+
+
+def resolve_draft_path(model: str, download_dir: str | None = None, revision: str | None = None) -> pathlib.Path:
+    """A local HF model directory, or a hub id: downloaded (`download_draft`) unless already cached."""
     path = pathlib.Path(os.path.expanduser(model))
     if not path.exists():
-        try:
-            from huggingface_hub import snapshot_download
-
-            path = pathlib.Path(snapshot_download(model, local_files_only=True))
-        except Exception:
+        if not _is_hub_id(model):
             raise SaguaroConfigError(
                 f"speculative_config.model: draft model {model!r} not found. Give a local Hugging Face model "
-                "directory (with config.json and *.safetensors) or a hub id already in the local cache."
-            ) from None
+                "directory (with config.json and *.safetensors) or a Hugging Face hub id."
+            )
+        path = download_draft(model, download_dir, revision)
+    elif revision is not None:
+        raise SaguaroConfigError(
+            f"speculative_config.revision: {model!r} is a local directory, which has no revisions; remove "
+            "revision, or give a hub id as model."
+        )
     if not (path / "config.json").is_file():
         raise SaguaroConfigError(
             f"speculative_config.model: {path} has no config.json; point it at a Hugging Face model directory."
@@ -82,6 +149,69 @@ def check_draft(draft_dir: pathlib.Path, target_model_config: Any) -> dict[str, 
             "different ids than the target's; use a draft trained with the target's tokenizer."
         )
     return {"vocab_size": draft_vocab, "architecture": archs[0]}
+
+
+def _gpu_attention(head_size: int) -> str:
+    """The attention implementation of a CUDA drafter, as this process can tell without initialising CUDA:
+    "vllm" where the drafter runs vLLM's kernels for every pass (drafter/vllm_attention.py: FlashAttention, else
+    vLLM's Triton unified_attention; unless SAGUARO_DRAFT_ATTENTION=saguaro, and only where vLLM has Triton),
+    else its own kernels: "triton" (SAGUARO_ATTENTION=triton) or "cuda"."""
+    from saguaro_vllm.ops import attention_limits
+
+    mode = os.environ.get("SAGUARO_DRAFT_ATTENTION", "auto").strip().lower() or "auto"
+    try:
+        from vllm.triton_utils import HAS_TRITON
+
+        from saguaro_vllm.drafter import vllm_attention  # noqa: F401  (the drafter's use of vLLM's kernels)
+    except Exception:
+        HAS_TRITON = False
+    if mode != "saguaro" and HAS_TRITON and attention_limits.unsupported("vllm", 1, 1, head_size) is None:
+        return "vllm"
+    return "triton" if os.environ.get("SAGUARO_ATTENTION") == "triton" else "cuda"
+
+
+def check_draft_attention(draft_dir: pathlib.Path, device: str) -> None:
+    """Refuse a draft whose attention shape (head size, query heads per KV head) the drafter cannot run on
+    `device` (ops/attention_limits.py): no shape runs with query heads that are not a multiple of the KV heads;
+    on a GPU the kernel that will run (`_gpu_attention`) must take it (the plain-torch reference there is a
+    slow host loop: only with SAGUARO_OPS=reference). On CPU a shape the C++ kernel cannot take runs the
+    reference: a warning, not an error."""
+    from saguaro_vllm.drafter.model.loader import read_model_info
+    from saguaro_vllm.ops import attention_limits
+
+    try:
+        info = read_model_info(draft_dir)
+    except (ValueError, KeyError) as err:
+        raise SaguaroConfigError(f"speculative_config.model: {err}.") from None
+    shape = (info.num_heads, info.num_kv_heads, info.head_size)
+    described = (f"{info.num_heads} query heads, {info.num_kv_heads} key/value heads, head size "
+                 f"{info.head_size}")
+    why = attention_limits.unsupported("reference", *shape)
+    if why is not None:
+        raise SaguaroConfigError(f"speculative_config.model: the draft ({draft_dir}) cannot run in the drafter: its "
+                                 f"{why}; use a draft with grouped-query attention whose query heads are a "
+                                 "multiple of its key/value heads.")
+    if os.environ.get("SAGUARO_OPS", "auto").strip().lower() == "reference":
+        return
+    if device == "cpu":
+        why = attention_limits.unsupported("cpp", *shape)
+        if why is not None:
+            logger.warning("Saguaro: the drafter's C++ attention cannot run this draft (%s: %s; it runs %s): its "
+                           "attention runs the plain-torch reference (slower)", described, why,
+                           attention_limits.supported_shapes("cpp"))
+        return
+    impl = _gpu_attention(info.head_size)
+    why = attention_limits.unsupported(impl, *shape)
+    if why is not None:
+        kernel = {"triton": "Triton attention kernel (SAGUARO_ATTENTION=triton)",
+                  "cuda": "CUDA attention kernel"}[impl]
+        raise SaguaroConfigError(
+            f"speculative_config.model: the drafter's {kernel} on {device} cannot run this draft ({described}: "
+            f"{why}; it runs {attention_limits.supported_shapes(impl)}; vLLM's attention kernels, which the "
+            f"drafter uses instead where vLLM has Triton, run {attention_limits.supported_shapes('vllm')}). Use a "
+            "draft of such a shape, or run the drafter on the CPU (saguaro.device 'cpu'), or set "
+            "SAGUARO_OPS=reference to run the plain-torch reference attention on the GPU (much slower)."
+        )
 
 
 def _parse_cores(env_value: str) -> list[int]:
@@ -227,8 +357,19 @@ def resolve_cpu_placement(cfg: SaguaroConfig, world_size: int = 1) -> CpuPlaceme
     return CpuPlacement(sorted(draft), ranks, shared)
 
 
-def resolve_device(cfg: SaguaroConfig, is_cpu_platform: bool, tp_size: int, pp_size: int = 1) -> str:
-    """The drafter's device; `auto` on GPUs is the first GPU after the target's TP x PP GPUs."""
+RAY_PLACEMENT_FIX = (
+    "set saguaro.device to a GPU that vLLM's worker of the output rank (TP rank 0, which starts the drafter) "
+    "sees, numbered as it sees them (e.g. 'cuda:0' as that worker sees it: the drafter shares its GPU), or "
+    "'cpu'; or use the mp executor (--distributed-executor-backend mp), under which 'auto' gives the drafter "
+    "the first GPU after the target's."
+)
+
+
+def resolve_device(cfg: SaguaroConfig, is_cpu_platform: bool, tp_size: int, pp_size: int = 1,
+                   use_ray: bool = False) -> str:
+    """The drafter's device; `auto` on GPUs is the first GPU after the target's TP x PP GPUs. Under vLLM's Ray
+    executor (`use_ray`) Ray chooses the workers' GPUs and the drafter inherits the worker's view of them, so
+    this process cannot tell which GPU is free: `auto` is refused there, naming how to place the drafter."""
     device = cfg.saguaro.device
     if is_cpu_platform:
         if device not in ("auto", "cpu"):
@@ -241,6 +382,12 @@ def resolve_device(cfg: SaguaroConfig, is_cpu_platform: bool, tp_size: int, pp_s
 
     count = torch.cuda.device_count()
     used = tp_size * pp_size
+    if use_ray and device == "auto":
+        raise SaguaroConfigError(
+            "speculative_config.saguaro.device: 'auto' cannot place the drafter under vLLM's Ray executor "
+            "(distributed_executor_backend 'ray'): Ray chooses the target workers' GPUs, and the drafter, started "
+            "by a worker, sees the GPUs that worker sees, not those this process sees; " + RAY_PLACEMENT_FIX
+        )
     if device == "auto":
         if count <= used:
             raise SaguaroConfigError(
@@ -254,9 +401,26 @@ def resolve_device(cfg: SaguaroConfig, is_cpu_platform: bool, tp_size: int, pp_s
     index = int(device.split(":")[1])
     if index >= count:
         raise SaguaroConfigError(
-            f"speculative_config.saguaro.device: {device!r} does not exist ({count} CUDA devices visible)."
+            f"speculative_config.saguaro.device: {device!r} does not exist ({count} CUDA devices visible)"
+            + (f"; under the Ray executor {RAY_PLACEMENT_FIX}" if use_ray else ".")
         )
     return device
+
+
+def resolve_kv_cache_gb(cfg: SaguaroConfig, device: str, tp_size: int, pp_size: int = 1,
+                        use_ray: bool = False) -> float | str:
+    """`saguaro.kv_cache_gb` for the drafter: a number stays; `auto` is 1 GiB (kv_cache.AUTO_KV_GIB) on CPU and
+    on a GPU the drafter may share with the target (one of its TP x PP GPUs, or any GPU under Ray, where
+    placement is Ray's), and stays "auto" on a GPU of its own: the drafter then measures that GPU's free
+    memory after loading the draft (kv_cache.kv_budget_bytes)."""
+    from saguaro_vllm.drafter.kv_cache import AUTO_KV_GIB
+
+    value = cfg.saguaro.kv_cache_gb
+    if value != "auto":
+        return value
+    if device.startswith("cuda:") and not use_ray and int(device.split(":")[1]) >= tp_size * pp_size:
+        return "auto"
+    return AUTO_KV_GIB
 
 
 def cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
@@ -323,12 +487,15 @@ def _ring_transport(cfg: SaguaroConfig, draft_device: str, is_cpu_platform: bool
 
 
 def resolve_for_engine(cfg: SaguaroConfig, target_model_config: Any, tp_size: int,
-                       is_cpu_platform: bool, pp_size: int = 1, max_num_seqs: int | None = None) -> dict[str, Any]:
+                       is_cpu_platform: bool, pp_size: int = 1, max_num_seqs: int | None = None,
+                       use_ray: bool = False, download_dir: str | None = None) -> dict[str, Any]:
     """Everything the proposer and drafter need, as a plain JSON-able dict; sets the target's CPU binding.
-    `max_num_seqs`: the engine's (or an upper bound of vLLM's default), which bounds the proposal ring."""
-    draft_dir = resolve_draft_path(cfg.model)
+    `max_num_seqs`: the engine's (or an upper bound of vLLM's default), which bounds the proposal ring;
+    `use_ray`: vLLM's Ray executor runs the workers; `download_dir`: vLLM's, for a draft given as a hub id."""
+    draft_dir = resolve_draft_path(cfg.model, download_dir, cfg.revision)
     info = check_draft(draft_dir, target_model_config)
-    device = resolve_device(cfg, is_cpu_platform, tp_size, pp_size)
+    device = resolve_device(cfg, is_cpu_platform, tp_size, pp_size, use_ray)
+    check_draft_attention(draft_dir, device)
     ring = resolve_proposal_ring(cfg, info["vocab_size"], max_num_seqs, _ring_transport(cfg, device, is_cpu_platform))
     draft_cores: list[int] = []
     rank_cores: list[list[int]] = []
@@ -355,6 +522,7 @@ def resolve_for_engine(cfg: SaguaroConfig, target_model_config: Any, tp_size: in
         raise SaguaroConfigError(f"speculative_config.saguaro.linear: {err}.") from None
     resolved = cfg.model_dump()
     resolved["saguaro"]["linear"] = linear
+    resolved["saguaro"]["kv_cache_gb"] = resolve_kv_cache_gb(cfg, device, tp_size, pp_size, use_ray)
     resolved.update(
         draft_path=str(draft_dir),
         device=device,

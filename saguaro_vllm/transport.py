@@ -33,6 +33,9 @@ DEFAULT_MAX_BYTES = 1 << 30
 CONTROL_MAX_BYTES = 1 << 20
 #: Dtypes an array frame may carry.
 ARRAY_DTYPES = ("float32",)
+#: Exit status of a drafter whose step hit a device error that poisons its CUDA context (drafter/server.py
+#: `device_unusable`): it answers the step, exits with this, and its client restarts it.
+DEVICE_ERROR_EXIT = 70
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Token = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]

@@ -6,7 +6,8 @@ vLLM 0.32's `vllm/config/speculative.py` (`tests/test_config.py` checks that eve
 
 - passed through to vLLM's `SpeculativeConfig` (they work with the `custom_class` hook Saguaro runs on):
   `PASSED_THROUGH`, each with the values that keep Saguaro exact;
-- honoured by Saguaro itself: `max_model_len` (a `SaguaroConfig` field: longer contexts go unspeculated);
+- honoured by Saguaro itself: `max_model_len` (a `SaguaroConfig` field: longer contexts go unspeculated) and
+  `revision` (the draft's hub revision, used when the front end downloads it);
 - refused, with the reason and the fix: `REFUSED`.
 """
 from __future__ import annotations
@@ -40,8 +41,6 @@ REFUSED: dict[str, str] = {
     "draft on CPU set saguaro.linear to 'int8')",
     "kv_cache_dtype": "the drafter's KV cache has the draft's dtype; set saguaro.dtype instead",
     "enforce_eager": "the drafter never uses CUDA graphs, so it would do nothing; remove it",
-    "revision": "the draft is read from a local directory or the local Hugging Face cache; download that "
-    "revision (`huggingface-cli download MODEL --revision REV`) and give its directory as model",
     "code_revision": "the drafter runs its own Llama/Qwen3 code, never remote code; remove it",
     "draft_sample_method": "Saguaro drafts greedily for greedy requests and samples with the request's own "
     "temperature/top-k/top-p otherwise, always sending the exact probabilities; remove it",
@@ -73,8 +72,9 @@ REFUSED: dict[str, str] = {
     "draft_parallel_config": "set by vLLM itself; remove it",
 }
 
-#: Handled as `SaguaroConfig` fields (method, model, K; max_model_len is honoured by the drafter).
-SAGUARO_FIELDS = ("method", "model", "num_speculative_tokens", "max_model_len")
+#: Handled as `SaguaroConfig` fields (method, model, K; max_model_len is honoured by the drafter, revision by
+#: the front end's download of the draft).
+SAGUARO_FIELDS = ("method", "model", "num_speculative_tokens", "max_model_len", "revision")
 
 
 def split_vllm_keys(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:

@@ -36,3 +36,34 @@ def served(tiny_pair, tmp_path_factory) -> dict:
     from serve_cases import run_servers
 
     return run_servers(tiny_pair, tmp_path_factory.mktemp("serve"))
+
+
+# ---- tests that hold only on the CPU build of vLLM ------------------------------------------------------------
+CPU_BUILD_ONLY_REASON = "holds only on the CPU build of vLLM (this is a CUDA build)"
+
+
+def vllm_cpu_build() -> bool:
+    """Whether vLLM here is its CPU build: its platform, or without vLLM, torch without a GPU. Cached; only
+    computed when a test marked `cpu_build_only` runs (importing vLLM's platform takes a few seconds)."""
+    global _VLLM_CPU_BUILD
+    if _VLLM_CPU_BUILD is None:
+        try:
+            from vllm.platforms import current_platform
+
+            _VLLM_CPU_BUILD = bool(current_platform.is_cpu())
+        except ImportError:
+            _VLLM_CPU_BUILD = not torch.cuda.is_available()
+    return _VLLM_CPU_BUILD
+
+
+_VLLM_CPU_BUILD: bool | None = None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_build_only: holds only on the CPU build of vLLM; skipped (with the "
+                            "reason) on a CUDA build")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("cpu_build_only") is not None and not vllm_cpu_build():
+        pytest.skip(CPU_BUILD_ONLY_REASON)

@@ -20,14 +20,26 @@ from saguaro_vllm.vllm_spec_keys import PASSED_THROUGH, REFUSED, SAGUARO_FIELDS
 TARGET_MAX_LEN = 256
 
 
+def _on_this_build(spec):
+    """`spec` as these tests mean it: on a CUDA build of vLLM a drafter without a `device` runs on the CPU, so
+    that the front-end checks here do not depend on how many GPUs the machine has (`auto` would need a free
+    GPU); on the CPU build (where `auto` is the CPU anyway) `spec` is unchanged."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() or not isinstance(spec, dict) or not isinstance(spec.get("saguaro", {}), dict):
+        return spec
+    opts = spec.get("saguaro", {})
+    return spec if "device" in opts else {**spec, "saguaro": {**opts, "device": "cpu"}}
+
+
 @pytest.fixture(scope="module")
 def engine_config():
     """Run vLLM's real front-end config path (plugin patches applied) and return its result or error."""
     from vllm.engine.arg_utils import EngineArgs
 
-    def create(target: str, spec) -> object:
-        args = EngineArgs(model=target, speculative_config=spec, enforce_eager=True, max_model_len=TARGET_MAX_LEN,
-                          dtype="float32")
+    def create(target: str, spec, **engine_kwargs) -> object:
+        args = EngineArgs(model=target, speculative_config=_on_this_build(spec), enforce_eager=True,
+                          max_model_len=TARGET_MAX_LEN, dtype="float32", **engine_kwargs)
         return args.create_engine_config()
 
     return create
@@ -132,13 +144,17 @@ BAD = [
     ({"model": "/nonexistent/draft"}, "speculative_config.model: draft model '/nonexistent/draft' not found",
      "local Hugging Face model directory"),
     ({"model": None}, "speculative_config.model:", "must be a string"),
+    ({"revision": "main"}, "speculative_config.revision:", "remove revision, or give a hub id as model"),
     # devices, cores, memory
-    ({"saguaro": {"device": "cuda:3"}}, "speculative_config.saguaro.device:", "use 'cpu' (or 'auto')"),
+    pytest.param({"saguaro": {"device": "cuda:3"}}, "speculative_config.saguaro.device:", "use 'cpu' (or 'auto')",
+                 marks=pytest.mark.cpu_build_only),
     ({"saguaro": {"device": "tpu"}}, "speculative_config.saguaro.device:", "'cuda:N'"),
     ({"saguaro": {"draft_cores": [999]}}, "speculative_config.saguaro.draft_cores:", "available"),
     ({"saguaro": {"draft_cores": [0], "target_cores": [0]}}, "speculative_config.saguaro.draft_cores:",
      "disjoint"),
     ({"saguaro": {"kv_cache_gb": 1e-9}}, "speculative_config.saguaro.kv_cache_gb:", "holds no KV block"),
+    ({"saguaro": {"kv_cache_gb": 0}}, "speculative_config.saguaro.kv_cache_gb:", 'or "auto"'),
+    ({"saguaro": {"kv_cache_gb": "half"}}, "speculative_config.saguaro.kv_cache_gb:", "must be a number of GiB"),
     ({"saguaro": {"block_size": 7}}, "speculative_config.saguaro.block_size:", "one of 8, 16, 32, 64, 128"),
     ({"saguaro": {"max_sampled_rows": -1}}, "speculative_config.saguaro.max_sampled_rows:", 'or "auto"'),
     ({"saguaro": {"max_sampled_rows": "64"}}, "speculative_config.saguaro.max_sampled_rows:", "integer >= 0"),
@@ -162,7 +178,8 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(("spec", "field", "fix"), BAD, ids=[f"{i}-{b[1].split(':')[0][19:]}" for i, b in enumerate(BAD)])
+@pytest.mark.parametrize(("spec", "field", "fix"), BAD, ids=[
+    f"{i}-{(b.values if hasattr(b, 'values') else b)[1].split(':')[0][19:]}" for i, b in enumerate(BAD)])
 def test_bad_config_one_message_naming_field_and_fix(tiny_pair, engine_config, spec, field, fix):
     target, draft = tiny_pair
     with pytest.raises(SaguaroConfigError) as err:
@@ -315,7 +332,7 @@ def test_engine_args_refuse_a_ring_that_does_not_fit(tiny_pair, monkeypatch):
     spec = {"method": "saguaro", "model": draft, "num_speculative_tokens": 3, "saguaro": {"mode": "sync"}}
 
     def create(**kw):
-        return EngineArgs(model=target, speculative_config=dict(spec), enforce_eager=True,
+        return EngineArgs(model=target, speculative_config=_on_this_build(dict(spec)), enforce_eager=True,
                           max_model_len=TARGET_MAX_LEN, dtype="float32", **kw).create_engine_config()
 
     _space(monkeypatch, 4096 + 2 * 8 * 3 * vocab * 4, None)  # room for 8 rows exactly

@@ -218,6 +218,7 @@ def _fmt(pvalues):
 
 
 @pytest.mark.engine
+@pytest.mark.cpu_build_only  # the bias is a bug of vLLM's CPU build: a CUDA build samples exactly
 def test_draft_model_biased_without_fix(models, plain_run):
     """vLLM's own `draft_model` on CPU at T=1.0, no plugin: the distribution test must fail."""
     from distribution import compare, sample_outputs

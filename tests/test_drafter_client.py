@@ -339,3 +339,51 @@ def test_a_request_that_keeps_resyncing_backs_off(cfg, monkeypatch):
         assert all(r.start == 0 for req in sent for r in req.rows if r.req_id == "bad")
     finally:
         proposer.client.close()
+
+
+# ---- a poisoned GPU ------------------------------------------------------------------------------------------
+def test_a_cuda_error_makes_the_drafter_exit_and_the_client_restart_it(cfg, tmp_path, monkeypatch, caplog):
+    """A step that raises a CUDA error (injected: `SAGUARO_DRAFTER_FAIL_FILE` holding "cuda") leaves a GPU
+    drafter unusable: the drafter answers that step without drafts and exits with DEVICE_ERROR_EXIT, the client
+    restarts it, and once `max_restarts` is spent speculation is disabled with one log line. Any other error is
+    answered and the drafter keeps serving."""
+    from saguaro_vllm.drafter.server import FAIL_FILE_ENV
+    from saguaro_vllm.drafter_client import DISABLED
+    from saguaro_vllm.transport import DEVICE_ERROR_EXIT
+
+    fail = tmp_path / "fail"
+    monkeypatch.setenv(FAIL_FILE_ENV, str(fail))
+    client = _client(cfg, max_restarts=1)
+    try:
+        with caplog.at_level(logging.INFO, logger="test.drafter_client"):
+            assert client.wait_ready()
+            steps = Steps(client)
+            assert steps.until_drafts() == 1
+            fail.write_text("")  # a bug: answered with an error, the drafter keeps serving
+            assert steps()[0] == [] and client.state == READY
+            first = client.proc
+            time.sleep(1.0)
+            assert first.poll() is None and client.restarts == 0
+            fail.write_text("cuda")
+            out, _ = steps()  # answered (no drafts), then the drafter exits
+            assert out == [] or isinstance(out, DrafterUnavailable), out
+            assert first.wait(timeout=10) == DEVICE_ERROR_EXIT
+            fail.unlink()
+            assert steps.until_drafts() > 1  # every step on the way returned at once
+            assert client.restarts == 1 and client.proc.pid != first.pid and client.state == READY
+            fail.write_text("cuda")  # again: the restart budget (1) is spent, speculation is disabled
+            second = client.proc
+            deadline = time.monotonic() + 20
+            while client.state != DISABLED and time.monotonic() < deadline:
+                out, took = steps()
+                assert took < 5.0
+                time.sleep(0.05)
+            assert client.state == DISABLED and second.wait(timeout=10) == DEVICE_ERROR_EXIT
+        lines = [r.getMessage() for r in caplog.records]
+        restarted = [m for m in lines if "restarting it" in m]
+        assert len(restarted) == 1 and f"exited with code {DEVICE_ERROR_EXIT} (a CUDA error" in restarted[0], lines
+        given_up = [m for m in lines if "WITHOUT speculation" in m]
+        assert len(given_up) == 1 and "gave up after 1 restarts (saguaro.max_restarts)" in given_up[0], lines
+        assert "CUDA error" in given_up[0]
+    finally:
+        client.close()

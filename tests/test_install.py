@@ -11,6 +11,8 @@ import textwrap
 import zipfile
 from pathlib import Path
 
+import pytest
+
 VENV_BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,6 +39,7 @@ def test_vllm_cli_works():
     assert "--speculative-config" in help_.stdout
 
 
+@pytest.mark.cpu_build_only  # (a CUDA torch loads its matching torchvision; setup.sh removes them beside the CPU one)
 def test_broken_torch_companions_removed():
     for name in ("torchvision", "torchaudio", "torchcodec"):
         try:

@@ -69,6 +69,28 @@ def num_blocks_for_budget(
     return int(num_blocks)
 
 
+#: `saguaro.kv_cache_gb: "auto"` (docs/configuration.md): the fixed budget on CPU and on a GPU the drafter
+#: shares with the target (the front end resolves those to this number), and the least a GPU of its own gets
+#: while `AUTO_KV_HEADROOM` stays free; there it takes `AUTO_KV_FRACTION` of the free memory measured after
+#: loading the draft (the rest is for activations, the pre-drafting workspace and other processes).
+AUTO_KV_GIB = 1.0
+AUTO_KV_FRACTION = 0.5
+AUTO_KV_HEADROOM = 2**29
+
+
+def kv_budget_bytes(kv_cache_gb: float | str, device: torch.device | str,
+                    free_bytes: Callable[[], int] | None = None) -> int:
+    """Bytes for the drafter's KV cache: `kv_cache_gb` GiB, or for "auto" `AUTO_KV_GIB` off CUDA and on CUDA
+    max(AUTO_KV_FRACTION x free, min(AUTO_KV_GIB, free - AUTO_KV_HEADROOM)), `free` being the device's free
+    memory now (`free_bytes`, default `torch.cuda.mem_get_info(device)[0]`: call it after loading the draft)."""
+    if kv_cache_gb != "auto":
+        return int(float(kv_cache_gb) * 2**30)
+    if torch.device(device).type != "cuda":
+        return int(AUTO_KV_GIB * 2**30)
+    free = int(free_bytes() if free_bytes is not None else torch.cuda.mem_get_info(torch.device(device))[0])
+    return max(0, int(max(AUTO_KV_FRACTION * free, min(AUTO_KV_GIB * 2**30, free - AUTO_KV_HEADROOM))))
+
+
 class BlockAllocator:
     """Reference-counted free list of block ids. All-or-nothing allocation; over-freeing is a bug and raises.
 

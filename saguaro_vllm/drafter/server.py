@@ -108,7 +108,8 @@ def build_drafter(cfg: dict):
             "warmed_rows": warmed_rows,
             "warm_s": round(warm_s, 2),
             # e.g. "attention=cpp sampling=cpp linear=packed (saguaro_ops, sources: package)"
-            "ops": ops_loader.summary(cfg["device"], linear=linear)}
+            "ops": ops_loader.summary(cfg["device"], linear=linear),
+            "attention": runner.attention_impl}  # what every forward's attention runs (vllm_attention.py)
     if mode == "async":
         return SSDDrafter(runner, vocab_size=cfg["vocab_size"], options=cfg["saguaro"],
                           max_model_len=cfg.get("max_model_len")), info

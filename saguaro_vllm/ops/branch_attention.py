@@ -13,12 +13,13 @@ Example: N_r = 3, K = 2, a depth-1 branch at step 1 sees prefix slots of positio
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
-from saguaro_vllm.ops import loader, reference
+from saguaro_vllm.ops import attention_limits, loader, reference
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -47,13 +48,13 @@ def branch_attention(
     [Q, S] (S <= 62) int; depth + step <= 62. The kernels accumulate in fp32; the query is cast to the cache dtype.
     """
     q = query.to(kv_cache.dtype)
-    if query.device.type == "cuda" and os.environ.get("SAGUARO_ATTENTION") == "triton":
+    if query.device.type == "cuda" and os.environ.get("SAGUARO_ATTENTION") == "triton" and _runs("triton", q, kv_cache):
         from saguaro_vllm.ops import triton_attention
 
         return triton_attention.branch_attention(
             q, kv_cache, block_tables, prefix_lens, owners, depths, steps, branch_slots, scale
         ).to(query.dtype)
-    if loader.use_compiled(query.device):
+    if loader.use_compiled(query.device) and _runs(loader.implementation(query.device), q, kv_cache):
         out = torch.ops.saguaro.branch_attention(
             q, kv_cache, block_tables, prefix_lens, owners, depths, steps, branch_slots, float(scale)
         )
@@ -62,6 +63,21 @@ def branch_attention(
             q, kv_cache, block_tables, prefix_lens, owners, depths, steps, branch_slots, scale
         )
     return out.to(query.dtype)
+
+
+_fallbacks: set[tuple] = set()  # (implementation, heads, kv heads, head size) already logged
+
+
+def _runs(impl: str, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether kernel `impl` takes this shape (attention_limits.py); if not, the reference runs it, said once."""
+    shape = (impl, q.shape[1], kv_cache.shape[3], q.shape[2])
+    why = attention_limits.unsupported(*shape)
+    if why is not None and shape not in _fallbacks:
+        _fallbacks.add(shape)
+        logging.getLogger("saguaro_vllm.ops").warning(
+            "saguaro ops: the %s attention kernel cannot run this draft (%s; it runs %s): its attention runs the "
+            "plain-torch reference instead (slower)", impl, why, attention_limits.supported_shapes(impl))
+    return why is None
 
 
 @dataclass

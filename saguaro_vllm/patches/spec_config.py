@@ -45,6 +45,8 @@ def wrap_create_speculative_config(original):
             pp_size=target_parallel_config.pipeline_parallel_size,
             is_cpu_platform=current_platform.is_cpu(),
             max_num_seqs=_max_num_seqs_bound(self, target_parallel_config),
+            use_ray=_uses_ray(self, target_parallel_config),
+            download_dir=getattr(self, "download_dir", None),
         )
         _check_lengths(resolved, target_model_config)
         if self.additional_config is None:
@@ -86,6 +88,16 @@ def _max_num_seqs_bound(args, parallel_config) -> int | None:
     return bound * (2 if getattr(args, "performance_mode", None) == "throughput" else 1)
 
 
+def _uses_ray(args, parallel_config) -> bool:
+    """Whether vLLM's Ray executor runs the workers (`distributed_executor_backend` "ray", or an executor class
+    that uses Ray), as resolved by vLLM's ParallelConfig (which picks Ray by itself inside a Ray placement
+    group), else as the engine arguments say."""
+    if hasattr(parallel_config, "use_ray"):
+        return bool(parallel_config.use_ray)
+    backend = getattr(parallel_config, "distributed_executor_backend", None) or args.distributed_executor_backend
+    return backend == "ray" or bool(getattr(backend, "uses_ray", False))
+
+
 def _check_lengths(resolved: dict, target_model_config) -> None:
     """`max_model_len` at most the target's (vLLM's rule for draft lengths); a drafter KV cache that holds
     no block is an error, one smaller than the longest context a warning (those rows go unspeculated)."""
@@ -100,6 +112,8 @@ def _check_lengths(resolved: dict, target_model_config) -> None:
         )
     info = read_model_info(resolved["draft_path"])
     opts = resolved["saguaro"]
+    if opts["kv_cache_gb"] == "auto":  # sized by the drafter on its own GPU (at least 1 GiB where that fits)
+        return
     per_block = kv_bytes_per_block(info.num_layers, opts["block_size"], info.num_kv_heads, info.head_size,
                                    DTYPES[resolved["dtype"]])
     blocks = int(opts["kv_cache_gb"] * 2**30) // per_block
