@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 CACHE = Path(os.environ.get("SAGUARO_CACHE", Path.home() / ".cache" / "saguaro-vllm")) / "bench-transport"
-ENGINES = ("vllm-draft_model", "saguaro-sync")
+ENGINES = ("vllm-ar", "vllm-draft_model", "saguaro-sync", "saguaro-async")
 PROMPT_LEN = 16
 
 
@@ -52,16 +52,18 @@ def build_model(vocab: int) -> Path:
     return build_tiny_llama(path, vocab_size=vocab, num_layers=1, hidden_size=64, num_heads=2)
 
 
-def spec_config(engine: str, model: Path, k: int) -> dict:
+def spec_config(engine: str, model: Path, k: int) -> dict | None:
+    if engine == "vllm-ar":
+        return None  # plain autoregressive decoding: the floor every speculative path is measured against
     if engine == "vllm-draft_model":
         # probabilistic: vLLM's draft model samples and hands its q to the rejection sampler (the default,
         # greedy, drafts the argmax and verifies it one-hot: no probabilities to move at all).
         return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k,
                 "draft_sample_method": "probabilistic"}
-    if engine == "saguaro-sync":
+    if engine in ("saguaro-sync", "saguaro-async"):
         # float32 like the target, so draft == target holds numerically too (acceptance ~1 at T = 1).
         return {"method": "saguaro", "model": str(model), "num_speculative_tokens": k,
-                "saguaro": {"mode": "sync", "dtype": "float32", "step_timeout_s": 120}}
+                "saguaro": {"mode": engine.removeprefix("saguaro-"), "dtype": "float32", "step_timeout_s": 120}}
     raise ValueError(f"--engines: unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
 
 
@@ -71,7 +73,7 @@ def run_engine(engine: str, vocab: int, args: argparse.Namespace, tree: tuple[st
     model = build_model(vocab)
     request = {"engine": engine, "vocab": vocab, "model": str(model), "spec": spec_config(engine, model, args.k),
                "batches": args.batches, "temperatures": args.temperatures, "max_tokens": args.max_tokens,
-               "max_num_seqs": max(args.batches)}
+               "max_num_seqs": args.max_num_seqs or max(args.batches)}
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     cwd = None
@@ -105,6 +107,7 @@ class Timers:
         self.reset()
 
     def reset(self) -> None:
+        self.ssd: dict[str, list[float]] = {}  # mode async: the drafter's per-step round figures
         self.sums: dict[str, float] = {}
         self.calls: dict[str, int] = {}
 
@@ -133,7 +136,7 @@ class Timers:
 
 def worker(req_path: str, out_path: str) -> None:
     r = json.loads(Path(req_path).read_text())
-    if r["engine"] != "saguaro-sync":
+    if not r["engine"].startswith("saguaro"):
         os.sched_setaffinity(0, [0])  # the core Saguaro's placement gives its target; the drafter gets the other
     import numpy as np
     from vllm import LLM, SamplingParams
@@ -142,18 +145,34 @@ def worker(req_path: str, out_path: str) -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     timers = Timers()
+    proposers: list = []  # Saguaro: the proposer instance (its proposal ring)
     timers.wrap(RejectionSampler, "forward", "rejection")
     timers.wrap(GPUModelRunner, "_get_spec_decode_draft_probs", "gather")
-    if r["engine"] == "saguaro-sync":
+    if r["engine"].startswith("saguaro"):
         from saguaro_vllm.drafter_client import DrafterClient
         from saguaro_vllm.proposer import SaguaroProposer
 
         timers.wrap(SaguaroProposer, "propose", "propose", cpu=True)
-        timers.wrap(DrafterClient, "step", "roundtrip", on_result=lambda resp: timers.add("drafter", resp.compute_s))
-    else:
+        original_init = SaguaroProposer.__init__
+
+        def init(self, *a, **kw):
+            original_init(self, *a, **kw)
+            proposers.append(self)
+
+        SaguaroProposer.__init__ = init
+        def on_reply(resp):
+            timers.add("drafter", resp.compute_s)
+            for key in ("verify_s", "late_s", "predraft_s", "budget", "plan_steps", "topups"):
+                if resp.ssd and key in resp.ssd:
+                    timers.ssd.setdefault(key, []).append(float(resp.ssd[key]))
+
+        timers.wrap(DrafterClient, "step", "roundtrip", on_result=on_reply)
+    elif r["engine"] == "vllm-draft_model":
         from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
         timers.wrap(DraftModelProposer, "propose", "propose")
+    else:  # AR: one step per `execute_model`
+        timers.wrap(GPUModelRunner, "execute_model", "propose")
 
     llm = LLM(model=r["model"], speculative_config=r["spec"], dtype="float32", enforce_eager=True,
               max_model_len=128, max_num_seqs=r["max_num_seqs"], max_num_batched_tokens=4096,
@@ -165,8 +184,13 @@ def worker(req_path: str, out_path: str) -> None:
         return [{"prompt_token_ids": rng.integers(2, r["vocab"] - 2, PROMPT_LEN).tolist()} for _ in range(n)]
 
     def counters() -> dict[str, float]:
-        return {m.name: getattr(m, "value", 0) for m in llm.get_metrics()
-                if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
+        out = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()
+               if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
+        if r["engine"].startswith("saguaro"):
+            from saguaro_vllm.metrics import saguaro_samples
+
+            out.update({k: v for k, v in saguaro_samples().items() if k.split("{")[0].endswith("_total")})
+        return out
 
     for t in r["temperatures"]:  # warm-up: every code path once (first calls allocate and compile)
         llm.generate(prompts(2), SamplingParams(temperature=t, max_tokens=12, ignore_eos=True, detokenize=False),
@@ -184,15 +208,24 @@ def worker(req_path: str, out_path: str) -> None:
             wall = time.perf_counter() - t0
             after = counters()
             d = {k.removeprefix("vllm:spec_decode_num_"): after[k] - before.get(k, 0) for k in after}
+            saguaro = {k.removeprefix("vllm:saguaro_"): v for k, v in d.items() if k.startswith("vllm:saguaro_") and v}
+            rounds = {f"mean_{k}": sum(v) / len(v) for k, v in timers.ssd.items() if v}
+            ring = next((p.ring for p in proposers if getattr(p, "ring", None) is not None), None)
+            if ring is not None:  # reserved: the sparse file's size; used: its pages written so far
+                rounds["ring_reserved_mb"] = ring.nbytes / 2**20
+                rounds["ring_used_mb"] = ring.resident_bytes() / 2**20
             steps = timers.calls.get("propose", 0)
             per_step = {f"{k}_ms": 1000 * v / steps for k, v in timers.sums.items()} if steps else {}
             if "drafter_ms" in per_step:
                 per_step["ours_ms"] = per_step["propose_ms"] - per_step["drafter_ms"]
             results.append({
-                "engine": r["engine"], "vocab": r["vocab"], "batch": batch, "temperature": t, "k": r["spec"][
-                    "num_speculative_tokens"], "steps": steps, "wall_s": wall,
+                "engine": r["engine"], "vocab": r["vocab"], "batch": batch, "temperature": t, "k": (r["spec"] or {}).get(
+                    "num_speculative_tokens"), "steps": steps, "wall_s": wall,
                 "step_ms": 1000 * wall / steps if steps else None, **per_step,
                 "acceptance_rate": d["accepted_tokens"] / d["draft_tokens"] if d.get("draft_tokens") else None,
+                "drafts": d.get("drafts"), "draft_tokens": d.get("draft_tokens"),
+                "accepted_tokens": d.get("accepted_tokens"), "saguaro": saguaro, "rounds": rounds,
+                "ring_used_mb": rounds.get("ring_used_mb"), "ring_reserved_mb": rounds.get("ring_reserved_mb"),
                 "load_avg_1m": [round(load, 2), round(os.getloadavg()[0], 2)],  # at the job's start and end
             })
             print(json.dumps(results[-1]), flush=True)
@@ -314,6 +347,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--k", type=int, default=5)
+    p.add_argument("--max-num-seqs", type=int, default=0, help="the engines' max_num_seqs (default: the largest "
+                   "batch); e.g. 1024, vLLM's default on large GPUs, to measure the proposal ring's memory")
     p.add_argument("--max-tokens", type=int, default=36, help="output tokens per request (6 steps at K=5)")
     p.add_argument("--label", default="run", help="results file: <date>-transport-<label>.json")
     p.add_argument("--note", default="", help="free text stored with the results (e.g. machine contention)")
@@ -355,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {"name": "transport", "kind": "transport", "label": args.label, "date": datetime.datetime.now(datetime.UTC).isoformat(),
             "commit": git_commit(), "command": " ".join(sys.argv), "machine": machine(), "note": args.note,
             "model": "random Llama, 1 layer, hidden 64, float32; draft == target", "k": args.k,
-            "max_tokens": args.max_tokens, "prompt_len": PROMPT_LEN,
+            "max_tokens": args.max_tokens, "prompt_len": PROMPT_LEN, "max_num_seqs": args.max_num_seqs or max(args.batches),
             "placement": "vLLM draft_model: whole engine on core 0; Saguaro: target on core 0, drafter on core 1",
             "results": []}
     for vocab in args.vocabs:
