@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -185,12 +184,11 @@ def main() -> int:
 
     for tree in tqdm(trees, desc="trees"):
         rows += run_tree(tree, a)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True, capture_output=True).stdout.strip()
+    from bench_transport import git_commit, machine  # this folder is on sys.path when run as a script
+
     info = {"name": "host-overhead", "kind": "host-overhead", "label": a.label,
-            "date": datetime.datetime.now(datetime.UTC).isoformat(), "commit": commit,
-            "command": " ".join(sys.argv), "machine": {"cpu": cpu, "cpus": os.cpu_count()}, "k": K,
+            "date": datetime.datetime.now(datetime.UTC).isoformat(), "commit": git_commit(),
+            "command": " ".join(sys.argv), "machine": machine(), "k": K,
             "model": "random Llama, 1 layer, hidden 16, float32, one thread", "results": rows,
             "runtime_s": round(time.monotonic() - started, 1)}
     for r in rows:

@@ -347,25 +347,35 @@ def soak_section(data: dict) -> list[str]:
 
 def load_transport() -> dict | None:
     """The newest result of `benchmarks/bench_transport.py` whose Saguaro runs carry code-tree names."""
+    return _newest_transport(lambda data: any(r.get("tree") for r in data["results"]))
+
+
+def _newest_transport(wanted) -> dict | None:
+    """The newest `bench_transport.py` result for which `wanted(data)` holds (its file name in `_file`)."""
     found = []
     for path in sorted(RESULTS.glob("*-transport-*.json")):
         data = json.loads(path.read_text())
-        if data.get("kind") == "transport" and any(r.get("tree") for r in data["results"]):
+        if data.get("kind") == "transport" and wanted(data):
             data["_file"] = path.name
             found.append(data)
     return max(found, key=lambda d: d["date"]) if found else None
 
 
+def _transport_header(data: dict, title: str) -> list[str]:
+    """A `bench_transport.py` section's title, what ran where, and the command."""
+    m = data["machine"]
+    return [f"## {title}", "",
+            f"`benchmarks/bench_transport.py` ({data['_file']}, {data['date'][:16]} UTC, commit {data['commit']}): "
+            f"{data['model']}, K={data['k']}, {data['max_tokens']} output tokens per request, prompts of "
+            f"{data['prompt_len']} tokens; {data['placement']}. Machine: {m['cpu']}, {m['cpus']} cores. "
+            f"{data.get('note') or ''}", "",
+            f"- command: `{data['command']}`"]
+
+
 def transport_section(data: dict) -> list[str]:
     """Per vocabulary and batch: what T = 1 adds per step over T = 0 for vLLM `draft_model` and Saguaro
     `sync` (each code tree), and the proposer-side part of it (the bar of issue 16: <= 3 ms at batch 16)."""
-    m = data["machine"]
-    out = ["## Sampled-path transport (issue 16 item 5)", "",
-           f"`benchmarks/bench_transport.py` ({data['_file']}, {data['date'][:16]} UTC, commit {data['commit']}): "
-           f"{data['model']}, K={data['k']}, {data['max_tokens']} output tokens per request, prompts of "
-           f"{data['prompt_len']} tokens; {data['placement']}. Machine: {m['cpu']}, {m['cpus']} cores; "
-           f"{data.get('note') or ''}", "",
-           f"- command: `{data['command']}`",
+    out = _transport_header(data, "Sampled-path transport (issue 16 item 5)") + [
            "- step: generate wall time / engine steps; propose: the proposer's `propose`; ours: `propose` minus "
            "the drafter's own compute (wall clock: transport and proposer-side work, plus waits for a core on a "
            "busy machine) / the CPU time of the proposer's thread in `propose` (message, receive, checks, "
@@ -412,14 +422,8 @@ def transport_section(data: dict) -> list[str]:
 def load_real_vocab() -> dict | None:
     """The newest `bench_transport.py` result that ran every engine side by side (AR, `draft_model`,
     Saguaro `sync` and `async`): the real-vocabulary comparison of issue 26."""
-    found = []
-    for path in sorted(RESULTS.glob("*-transport-*.json")):
-        data = json.loads(path.read_text())
-        engines = {r["engine"] for r in data.get("results", [])}
-        if data.get("kind") == "transport" and {"vllm-ar", "saguaro-async", "vllm-draft_model"} <= engines:
-            data["_file"] = path.name
-            found.append(data)
-    return max(found, key=lambda d: d["date"]) if found else None
+    return _newest_transport(
+        lambda data: {"vllm-ar", "saguaro-async", "vllm-draft_model"} <= {r["engine"] for r in data["results"]})
 
 
 REAL_VOCAB_ENGINES = (("vllm-ar", "vLLM AR"), ("vllm-draft_model", "vLLM `draft_model`"),
@@ -429,13 +433,7 @@ REAL_VOCAB_ENGINES = (("vllm-ar", "vLLM AR"), ("vllm-draft_model", "vLLM `draft_
 def real_vocab_section(data: dict) -> list[str]:
     """Per vocabulary, batch and temperature: milliseconds per engine step of every engine, Saguaro's against
     `draft_model` (the bar: no more per step), and the proposal ring's memory."""
-    m = data["machine"]
-    out = ["## Real vocabularies, every engine side by side (issue 26)", "",
-           f"`benchmarks/bench_transport.py` ({data['_file']}, {data['date'][:16]} UTC, commit {data['commit']}): "
-           f"{data['model']}, K={data['k']}, {data['max_tokens']} output tokens per request, prompts of "
-           f"{data['prompt_len']} tokens; {data['placement']}. Machine: {m['cpu']}, {m['cpus']} cores. "
-           f"{data.get('note') or ''}", "",
-           f"- command: `{data['command']}`",
+    out = _transport_header(data, "Real vocabularies, every engine side by side (issue 26)") + [
            "- every draft is accepted (draft == target), so the per-step difference is each path's own cost; "
            "ms per step = generate wall time / engine steps (AR: one token per step, the others K+1).",
            "- bar (issue 26): Saguaro `async` and `sync` cost no more per step than vLLM `draft_model` at "

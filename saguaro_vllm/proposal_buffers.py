@@ -334,6 +334,7 @@ class SlotWriter:
         self.ring, self.seq = ring, seq
         self.slot = ring.acquire(seq) if ring is not None else None
         self.rows: list[int] = []  # answer row of each slot row, in order
+        self._index: dict[int, int] = {}  # answer row -> its slot row
         self.written: dict[int, int] = {}  # answer row -> positions written in place (`put_positions`)
 
     @property
@@ -342,13 +343,13 @@ class SlotWriter:
 
     def row_of(self, answer_row: int) -> int:
         """The slot row of `answer_row`, handing out the next one on first use."""
-        try:
-            return self.rows.index(answer_row)
-        except ValueError:
+        r = self._index.get(answer_row)
+        if r is None:
             if len(self.rows) >= self.ring.rows:
-                raise RuntimeError(f"proposal ring: more than {self.ring.rows} sampled rows in one step") from None
+                raise RuntimeError(f"proposal ring: more than {self.ring.rows} sampled rows in one step")
+            r = self._index[answer_row] = len(self.rows)
             self.rows.append(answer_row)
-            return len(self.rows) - 1
+        return r
 
     def buffer(self) -> torch.Tensor:
         """The slot as float32 `[rows, k, vocab]` (writable)."""
@@ -402,6 +403,7 @@ class SlotWriter:
             else:
                 self.written.pop(a, None)
         self.rows = kept
+        self._index = {a: r for r, a in enumerate(kept)}
 
     def finish(self) -> tuple[int, list[int]]:
         """(slot, rows) for the answer; publishes the slot, or frees it when nothing was written."""

@@ -98,14 +98,11 @@ def select_candidates(scores: torch.Tensor, drafts: Sequence[int], fanout: Seque
     `saguaro_vllm.ops.select_candidates`). Order: every depth's best token first, then every depth's second,
     and so on, so that dropping from the tail (a full KV cache) loses the least likely outcomes.
     """
-    k = len(drafts)
-    if scores.shape[0] != k + 1 or len(fanout) != k + 1:
-        raise ValueError(f"K={k} drafts need {k + 1} score rows and fan-outs, got {scores.shape[0]} and "
-                         f"{len(fanout)}")
+    if scores.shape[0] != len(drafts) + 1:
+        raise ValueError(f"K={len(drafts)} drafts need {len(drafts) + 1} score rows, got {scores.shape[0]}")
     widest = max(fanout, default=0)
-    if widest <= 0:
-        return []
-    return candidates_from(top_tokens(scores, widest + 1), drafts, fanout)
+    top = top_tokens(scores, widest + 1) if widest > 0 else [[] for _ in range(scores.shape[0])]
+    return candidates_from(top, drafts, fanout)
 
 
 class DecayedRatio:
