@@ -23,7 +23,7 @@ from saguaro_vllm.server_process import VLLMServer, drafter_state, metric_totals
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps", "import os\nimport sys\nprint(", "for i in range(10):",
            "class Point:\n    def __init__(self, x, y):", "print(os.getcwd()", "The lazy dog", "return a + b"]
-MAX_TOKENS = 128
+MAX_TOKENS = 320  # long enough that no stream ends before the last one has its first chunks (async got faster)
 #: Testing aid of the drafter (saguaro_vllm/drafter/server.py): every step raises while this file exists.
 FAIL_ENV = "SAGUARO_DRAFTER_FAIL_FILE"
 FAULT_AFTER_CHUNKS = 3  # inject once every stream has received this many chunks (all requests in flight;
