@@ -180,7 +180,12 @@ def test_async_gauges_and_histograms_are_exported(async128k):
     assert 1 <= samples["vllm:saguaro_draft_depth"] <= K  # depth "auto": the last step's allowed depth
     assert samples["vllm:saguaro_fanout_budget"] >= 1
     assert samples["vllm:saguaro_late_seconds_count"] > 0 and samples["vllm:saguaro_late_seconds_sum"] >= 0
-    assert samples["vllm:saguaro_speculating"] in (0.0, 1.0)  # exported; see the stop-23 note on its value
+    # the greedy jobs' rows get drafts; the T=1 job's 5-token requests mostly do not (measured: 229 of 2413
+    # rows over its last 64 steps: misses whose just-in-time draft does not pay at this vocabulary on one
+    # core), and the watch says so
+    assert [async128k[j].saguaro["vllm:saguaro_speculating"] for j in ("b1", "b64", "long", "n3")] == [1.0] * 4
+    assert samples["vllm:saguaro_speculating"] in (0.0, 1.0)
+    assert delta["t1"].get('vllm:saguaro_rows_undrafted_total{status="ngram"}', 0) > 0  # the why, by status
     assert sum(d.get("vllm:saguaro_predraft_skipped_total", 0) for d in delta.values()) > 0
     # C = 1 (the default): the scale sum is exactly the count of sampled drafts
     sampled = async128k["t1"].counter("vllm:saguaro_sampled_drafts")

@@ -231,14 +231,16 @@ def test_one_miss_among_hits_is_drafted_now_only_when_worth_the_wait(draft_model
         assert resp.drafts[j] == greedy_continuation(draft_model, ctxs[f"r{j}"] + rows[j].new_tokens, K)
 
 
-def test_new_requests_left_undrafted_are_fed_off_the_critical_path_and_drafted_next_step(draft_model):
+def test_new_requests_left_undrafted_are_pre_drafted_and_hit_next_step(draft_model):
     """Backup `auto` with measured timings: drafting 8 new 60-token prompts now (each its whole prompt
-    plus K-1 steps at 1 ms per row) is not worth the wait at the batch's rate, so they get no drafts; the
-    pre-draft then feeds their prompts (no round, no branches), and the next step drafts them just in time
-    for a token or two each. Without that catch-up every later step weighs the whole (growing) context
-    again and refuses again: measured at vocabulary 128k, batch 16, a whole run without one draft."""
+    plus K-1 steps at 1 ms per row) is not worth the wait at the batch's rate, so they get no drafts. Each
+    starts a round of zero drafts: the pre-draft feeds its prompt off the critical path and branches on its
+    next token's candidates, so the next step hits (drafts at once) where that token was a candidate and
+    is drafted just in time for a token or two where it was not. Without it every later step weighs the
+    whole (growing) context again and refuses again: measured at vocabulary 128k, batch 16, a whole run
+    without one draft; at T=1 with 5-token requests, 202 of 2395 rows drafted."""
     rng = np.random.default_rng(11)
-    drafter = make_drafter(draft_model, backup="auto", num_blocks=512)
+    drafter = make_drafter(draft_model, backup="auto", num_blocks=512, fanout=[3])
     ctxs = {f"n{i}": [int(t) for t in rng.permutation(np.arange(2, 300))[:60]] for i in range(8)}  # no repeats: no n-gram drafts
 
     def measured(rate: float) -> None:
@@ -255,11 +257,17 @@ def test_new_requests_left_undrafted_are_fed_off_the_critical_path_and_drafted_n
     drafter.answered()
     while drafter.busy:
         drafter.advance()
-    assert all(drafter.runner.num_computed(rid) == len(c) for rid, c in ctxs.items())  # caught up
-    assert len(drafter.cache) == 0  # no round, no branches: nothing was sent to look up
+    assert all(drafter.runner.num_computed(rid) >= len(c) for rid, c in ctxs.items())  # prompts fed
+    assert all(len(drafter.cache.outcomes(rid)) == 3 and all(a == 0 for a, _ in drafter.cache.outcomes(rid))
+               for rid in ctxs)  # fan-out 3 at depth 0: three candidates for the next token
+    hit_rows = list(ctxs)[:4]
+    nxt = {rid: (greedy_continuation(draft_model, c, 1)[0] if rid in hit_rows else
+                 next(t for t in range(2, 300) if t not in {b for _, b in drafter.cache.outcomes(rid)}))
+           for rid, c in ctxs.items()}
     measured(rate=50.0)
-    rows = [RowUpdate(rid, len(c), [7], K) for rid, c in ctxs.items()]
+    rows = [RowUpdate(rid, len(c), [nxt[rid]], K) for rid, c in ctxs.items()]
     second = drafter.step(StepRequest(2, rows, [], sent_at=time.monotonic()))
-    assert second.row_status == ["new"] * 8 and second.ssd["backup"] == "jit", (second.row_status, second.ssd)
+    assert second.row_status == ["hit"] * 4 + ["jit"] * 4, (second.row_status, second.ssd)
+    assert second.ssd["backup"] == "jit", second.ssd  # the misses cost a token or two each: drafted now
     for rid, drafts in zip(ctxs, second.drafts, strict=True):
-        assert drafts == greedy_continuation(draft_model, ctxs[rid] + [7], K)
+        assert drafts == greedy_continuation(draft_model, ctxs[rid] + [nxt[rid]], K), rid

@@ -23,9 +23,8 @@ def _ranked(top: list[list[int]], drafts) -> list[list[int]]:
 
 
 class PreDrafter:
-    def _predraft_rounds(self, req_ids: list[str], catch_up: list[str] = ()) -> Iterator[None]:
-        """Generator: glue, then the branch steps, one forward per `next`; closing it caches the branches.
-        `catch_up`: requests that got no drafts this step, whose context the glue forward feeds too."""
+    def _predraft_rounds(self, req_ids: list[str]) -> Iterator[None]:
+        """Generator: glue, then the branch steps, one forward per `next`; closing it caches the branches."""
         t0 = time.perf_counter()
         run: BranchRun | None = None
         stats = self._predraft
@@ -33,11 +32,13 @@ class PreDrafter:
             yield  # nothing before the answer is out: the first forward runs on the next `advance`
             t0 = time.perf_counter()
             self._flush_garbage()
-            roots, scores = self._glue(req_ids, catch_up)
+            roots, scores = self._glue(req_ids)
             yield
             if not roots:
                 return
-            k = max(r.k for r in roots)
+            # steps per branch: the drafts the next round wants (not this round's count, which a cut-short
+            # hit or a round of zero drafts would pass on: short rounds would beget short rounds)
+            k = max(self._sent[r.req_id].want or r.k for r in roots)
             plan = self.planner.plan(len(roots), k)
             stats.budget, stats.plan_steps = plan.branches, plan.steps
             pays = self.planner.branches_pay_off(plan, len(roots), k)
@@ -80,16 +81,13 @@ class PreDrafter:
                         self._release(branch.seq_id)
             stats.predraft_s = time.perf_counter() - t0
 
-    def _glue(self, req_ids: list[str], catch_up: list[str] = ()) -> tuple[list[BranchRoot], list[torch.Tensor]]:
+    def _glue(self, req_ids: list[str]) -> tuple[list[BranchRoot], list[torch.Tensor]]:
         """Feed every token of context + drafts the draft has no KV for (normally just x_K; after an
-        n-gram backup the new context tail and all drafts), and gather the K+1 bonus distributions.
-
-        The same forward feeds the context of the `catch_up` requests (misses left without drafts, e.g.
-        new requests at a busy step): off the critical path, so that drafting them next step costs a
-        token or two instead of their whole prompt, which would make the per-row backup rule leave them
-        undrafted again and again (measured at vocabulary 128k, batch 16: a whole run without drafts)."""
+        n-gram backup the new context tail and all drafts; for a round of zero drafts, e.g. a new request
+        left undrafted at a busy step, its whole uncomputed context: off the critical path), and gather
+        the K+1 bonus distributions."""
         chunks, wanted, items = [], [], []
-        protect = set(req_ids) | set(catch_up)
+        protect = set(req_ids)
         for rid in req_ids:
             st, sent = self.reqs.get(rid), self._sent.get(rid)
             if st is None or sent is None or len(st.context) != sent.context_len:
@@ -99,7 +97,7 @@ class PreDrafter:
                 self.runner.add_request(rid)
             done = self.runner.num_computed(rid)
             k = len(sent.drafts)
-            if done >= len(seq):  # cannot happen (drafts never all have KV); keep it safe
+            if done >= len(seq):  # a round of zero drafts on a fully computed context: recompute its last token
                 self.runner.truncate(rid, len(seq) - 1)
                 done = len(seq) - 1
             have = len(st.draft_logits) if len(st.draft_logits) >= k and done == len(seq) - 1 else 0
@@ -113,10 +111,9 @@ class PreDrafter:
             chunks.append((rid, seq[done:], done))
             wanted.append(need)
             items.append((rid, st, sent, have))
-        fed = self._catch_up_chunks(catch_up, protect)
-        if not chunks and not fed:
+        if not chunks:
             return [], []
-        logits = self._forward(chunks + fed, num_logits=wanted + [1] * len(fed))
+        logits = self._forward(chunks, num_logits=wanted)
         roots, scores = [], []
         offset = 0
         for (rid, st, sent, have), need in zip(items, wanted, strict=True):
@@ -128,22 +125,6 @@ class PreDrafter:
             roots.append(BranchRoot(rid, sent.context_len, tuple(sent.drafts)))
             scores.append(torch.cat([torch.stack([t[r] for t, r in kept]), rows]) if kept else rows)
         return roots, scores
-
-    def _catch_up_chunks(self, req_ids, protect: set[str]) -> list[tuple[str, list[int], int]]:
-        """Chunks feeding each request's context tail the draft has no KV for (its logits are not used)."""
-        chunks = []
-        for rid in req_ids:
-            st = self.reqs.get(rid)
-            if st is None or not st.context or rid in self._sent:
-                continue
-            if not self.runner.has_request(rid):
-                self.runner.add_request(rid)
-            done = self.runner.num_computed(rid)
-            if done >= len(st.context):
-                continue
-            if self._reserve(rid, len(st.context) - done, protect=protect):
-                chunks.append((rid, st.context[done:], done))
-        return chunks
 
     def _propose_branches(self, req_id: str, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         st = self.reqs[req_id]
