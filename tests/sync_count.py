@@ -10,9 +10,13 @@ from __future__ import annotations
 import collections
 import traceback
 
+import torch
+
 from torch.overrides import TorchFunctionMode
 
 TRANSFERS = frozenset({"item", "tolist", "__bool__", "__int__", "__index__", "__float__", "cpu", "numpy"})
+#: calls whose output size depends on the data: on a GPU the host waits for the device to learn it
+DATA_DEPENDENT = frozenset({"nonzero", "masked_select", "unique", "argwhere", "nonzero_static"})
 
 
 class CountTransfers(TorchFunctionMode):
@@ -20,12 +24,24 @@ class CountTransfers(TorchFunctionMode):
         super().__init__()
         self.total = 0
         self.where: collections.Counter = collections.Counter()
+        self.data_dependent = 0  # `DATA_DEPENDENT` calls (also host waits on a GPU; counted apart)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        if name in DATA_DEPENDENT or (name == "__getitem__" and any(
+                getattr(a, "dtype", None) is torch.bool for a in _flat(args[1:]))):
+            self.data_dependent += 1
         if name in TRANSFERS:
             self.total += 1
             frame = next((f for f in reversed(traceback.extract_stack(limit=8)[:-1])
                           if "saguaro_vllm" in f.filename), None)
             self.where[f"{frame.filename.rsplit('saguaro_vllm/', 1)[-1]}:{frame.lineno}" if frame else "?"] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _flat(items):
+    for item in items:
+        if isinstance(item, (tuple, list)):
+            yield from _flat(item)
+        else:
+            yield item

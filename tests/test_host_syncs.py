@@ -59,6 +59,7 @@ def test_transfers_per_forward_are_bounded(draft_model, batch, temperature):
     assert len(drafter.cache) == batch * 32
     # one transfer per branch step (every branch's token at once), two for the glue (candidates and ranks)
     assert pre.total <= forwards[0] + 1, pre.where
+    assert pre.data_dependent == 0, pre.where  # no `nonzero` / boolean indexing (candidate selection had one)
     # half the rows hit (a pre-drafted outcome), half miss (a bonus token no branch has): jit drafts
     rows = []
     for j, (rid, c) in enumerate(ctx.items()):
@@ -72,3 +73,4 @@ def test_transfers_per_forward_are_bounded(draft_model, batch, temperature):
     assert forwards[0] == (K if batch > 1 else 0)
     # the jit forwards: one transfer each for the greedy argmax or the sampled draw; the hits: none
     assert answer.total <= max(forwards[0], 1) + 1, answer.where
+    assert answer.data_dependent == 0

@@ -203,6 +203,22 @@ def test_top_tokens_equal_a_stable_descending_sort(rows, vocab, n, ties):
     assert top_tokens(scores, n) == want
 
 
+def test_top_tokens_with_masked_tokens_and_no_data_dependent_shapes():
+    """Rows with -inf (masked) tokens, fewer finite ones than n: the -inf ties fill the rest lowest ids
+    first, as a stable sort does; and the selection never asks for a tensor whose size depends on its
+    data (`nonzero`, boolean indexing), which a GPU would make the host wait for."""
+    from sync_count import CountTransfers
+
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randint(0, 4, (3, 40), generator=gen).float()
+    scores[:, ::3] = float("-inf")
+    scores[1, 5:] = float("-inf")  # row 1: 5 finite tokens, n = 12
+    want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :12].tolist()
+    with CountTransfers() as counter:
+        assert top_tokens(scores, 12) == want
+    assert counter.total == 1 and counter.data_dependent == 0, counter.where
+
+
 def test_forward_cost_fit_separates_tokens_from_logit_rows():
     """A forward costs fixed + per token fed + per logit row: a 128-token prefill chunk (one logit) is not
     128 decode rows."""
