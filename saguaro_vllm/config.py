@@ -104,6 +104,13 @@ class SaguaroOptions(BaseModel):
         2048, description="Prefill chunk size: at most this many tokens of one request per drafter forward "
         "(long prompts are prefilled in chunks)."
     )
+    cuda_graphs: bool | Literal["auto"] = Field(
+        "auto", description="Run the drafter's one-token forwards (branch steps, just-in-time drafts) as CUDA "
+        "graphs: rows rounded up to buckets 1, 2, 4 ... 2048, one graph per bucket captured when the drafter "
+        "starts, replayed after (needs vLLM's FlashAttention or Triton attention; forwards with more rows or "
+        "contexts past max_model_len (default 8192 tokens) run eagerly). `auto`: on for a CUDA drafter, off on "
+        "CPU. `true` on a CPU drafter is an error.",
+    )
     step_timeout_s: float = Field(
         30.0,
         description="Upper bound of the wait for the drafter's answer in one step (the wait itself is derived "

@@ -520,8 +520,15 @@ def resolve_for_engine(cfg: SaguaroConfig, target_model_config: Any, tp_size: in
         linear = resolve_linear(cfg.saguaro.linear, device, dtype)
     except ValueError as err:
         raise SaguaroConfigError(f"speculative_config.saguaro.linear: {err}.") from None
+    from saguaro_vllm.drafter.static_forward import resolve_cuda_graphs
+
+    try:
+        cuda_graphs = resolve_cuda_graphs(cfg.saguaro.cuda_graphs, device)
+    except ValueError as err:
+        raise SaguaroConfigError(f"speculative_config.saguaro.{err}.") from None
     resolved = cfg.model_dump()
     resolved["saguaro"]["linear"] = linear
+    resolved["saguaro"]["cuda_graphs"] = cuda_graphs
     resolved["saguaro"]["kv_cache_gb"] = resolve_kv_cache_gb(cfg, device, tp_size, pp_size, use_ray)
     resolved.update(
         draft_path=str(draft_dir),

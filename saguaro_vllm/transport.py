@@ -19,9 +19,16 @@ import shutil
 import tempfile
 from typing import Annotated, Any, Union
 
-import msgspec
 import numpy as np
-import zmq
+
+try:
+    import msgspec
+except ImportError:  # the drafter driven in-process without msgspec (plain_structs.py says what works)
+    from saguaro_vllm import plain_structs as msgspec
+try:
+    import zmq
+except ImportError:  # only `Channel` needs pyzmq; the messages and checks work without it
+    zmq = None
 
 #: vLLM treats temperatures below this as greedy (vllm.sampling_params._SAMPLING_EPS).
 GREEDY_EPS = 1e-5
@@ -321,6 +328,8 @@ class Channel:
     def __init__(self, endpoint: str, bind: bool, accepts: Any, max_bytes: int = DEFAULT_MAX_BYTES):
         if not endpoint.startswith("ipc://"):
             raise ValueError(f"drafter endpoint must be local ipc://, got {endpoint!r}")
+        if zmq is None:
+            raise ImportError("pyzmq is not installed: the drafter socket (transport.Channel) needs it")
         self.max_bytes = max_bytes
         self.codec = _Codec(accepts)
         self.ctx = zmq.Context.instance()

@@ -237,11 +237,13 @@ def test_without_vllm_cuda_falls_back_to_the_drafters_own_kernels():
         "name, backend = va.select('cuda', torch.float16, 64, 16)\n"
         "assert backend is None and 'vllm' not in name, (name, backend)\n"
         "print('RESULT ' + repr(name))\n"
+        "print('REASON ' + str(va.unavailable_reason()))\n"
     )
     env = {**os.environ, "SAGUARO_OPS": "reference",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "RESULT 'reference'" in proc.stdout, proc.stderr[-3000:]
+    assert "REASON vllm_flash_attn: No module named" in proc.stdout, proc.stdout  # the named fallback reason
 
 
 def test_choice_on_cuda_names_the_backend(monkeypatch):

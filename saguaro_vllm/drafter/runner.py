@@ -7,21 +7,32 @@ decision: `reserve` each one first and leave out those that raise `OutOfBlocksEr
 A sequence can be forked (`fork`): the child shares the parent's first tokens of KV and is then extended
 with ordinary `forward` chunks, which is how SSD's pre-drafting branches are run; `adopt` makes a child
 the parent's continuation (a speculation-cache hit keeps the branch's KV instead of recomputing it).
+
+Decode-shaped forwards (one token per chunk) take `StaticDecode` when it is on (`static_buckets`, or
+`cuda_graphs`): bucketed persistent buffers, a CUDA graph per bucket on CUDA (static_forward.py). Every
+forward reads block tables from `BlockRows`, one persistent row per sequence rewritten only when it changed.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from saguaro_vllm.drafter import vllm_attention
-from saguaro_vllm.drafter.attention import AttentionMetadata
+from saguaro_vllm.drafter.attention import AttentionMetadata, reference_paged_attention
+from saguaro_vllm.drafter.block_rows import BlockRows
 from saguaro_vllm.drafter.kv_cache import BlockTable, KVCacheConfig, OutOfBlocksError, PagedKVCache
 from saguaro_vllm.drafter.model.llama import LlamaForCausalLM
+from saguaro_vllm.drafter.static_forward import BUCKETS, DEFAULT_MAX_LEN, StaticDecode
 from saguaro_vllm.ops import loader
 from saguaro_vllm.ops.branch_attention import decode_attention
+
+logger = logging.getLogger(__name__)
 
 # (request id, token ids, position of the first token == tokens already computed for the request)
 Chunk = tuple[str, Sequence[int], int]
@@ -30,6 +41,7 @@ Chunk = tuple[str, Sequence[int], int]
 @dataclass
 class _Request:
     block_table: BlockTable
+    row: int  # its row of the runner's BlockRows
     num_computed: int = 0  # tokens whose KV is valid, always a prefix of the sequence
 
 
@@ -43,8 +55,14 @@ class _Piece:
 
 
 class DraftModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache_cfg: KVCacheConfig, max_tokens_per_seq: int = 512):
-        """`max_tokens_per_seq`: default cap on one sequence's tokens per model pass (chunked prefill)."""
+    def __init__(self, model: LlamaForCausalLM, kv_cache_cfg: KVCacheConfig, max_tokens_per_seq: int = 512,
+                 static_buckets: Sequence[int] | None = None, cuda_graphs: bool = False,
+                 static_max_len: int | None = None):
+        """`max_tokens_per_seq`: default cap on one sequence's tokens per model pass (chunked prefill).
+        `static_buckets`: row buckets of the static decode path (off when None, unless `cuda_graphs`, which
+        captures one graph per bucket of `static_forward.BUCKETS` or of `static_buckets`; CUDA only).
+        `static_max_len`: the longest context that path covers (default: the cache's capacity, at most
+        `static_forward.DEFAULT_MAX_LEN`). The static path takes one block of the cache as scratch."""
         if max_tokens_per_seq < 1:
             raise ValueError(f"max_tokens_per_seq must be >= 1, got {max_tokens_per_seq}")
         self.model = model
@@ -65,16 +83,46 @@ class DraftModelRunner:
         #: (CPU, or no vLLM), and the passes keep the paths above. `attention_impl` names what runs.
         self.attention_impl, self.vllm_backend = vllm_attention.select(
             self.device, self.dtype, cfg.head_size, self.block_size)
+        self._rows = BlockRows()
+        self.static: StaticDecode | None = None
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA draft device, not {self.device}")
+        if cuda_graphs or static_buckets:
+            # graph-safe attention: vLLM's kernels, or the compiled decode op (it reads no device value on
+            # the host); the reference loops over host lengths that a graph would freeze
+            capture = cuda_graphs and (self.vllm_backend is not None or self.fused_decode)
+            if cuda_graphs and not capture:
+                logger.warning("saguaro drafter: CUDA graphs need vLLM's attention kernels or the compiled "
+                               "decode attention, and %s runs here: one-token forwards run the static buffers "
+                               "without capture", self.attention_impl)
+            (scratch,) = self.kv_cache.allocator.allocate(1)
+            max_len = static_max_len or min(DEFAULT_MAX_LEN, kv_cache_cfg.num_blocks * self.block_size)
+            self.static = StaticDecode(model, self.kv_cache.layers, self.block_size, static_buckets or BUCKETS,
+                                       max_len, scratch, self._backend(1), capture)
+
+    def capture_graphs(self) -> float:
+        """Capture every bucket's CUDA graph now (the drafter does at start-up); seconds taken, 0 without
+        graphs."""
+        return self.static.capture_all() if self.static is not None else 0.0
+
+    @property
+    def graph_mode(self) -> str:
+        """How one-token forwards run: "cuda-graphs", "static" (bucketed buffers, eager) or "dynamic"."""
+        if self.static is None:
+            return "dynamic"
+        return "cuda-graphs" if self.static.capture else "static"
 
     # ---- request state -------------------------------------------------------------------------
     def add_request(self, req_id: str) -> None:
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} is already known to the draft runner")
-        self._requests[req_id] = _Request(self.kv_cache.new_block_table())
+        self._requests[req_id] = _Request(self.kv_cache.new_block_table(), self._rows.acquire())
 
     def free_request(self, req_id: str) -> None:
         """Forget the request and let go of all its blocks (on finish or preemption; also for forks)."""
-        self._get(req_id).block_table.shrink(0)
+        req = self._get(req_id)
+        req.block_table.shrink(0)
+        self._rows.release(req.row)
         del self._requests[req_id]
 
     def has_request(self, req_id: str) -> bool:
@@ -114,7 +162,7 @@ class DraftModelRunner:
         if not 0 <= num_tokens <= parent.num_computed:
             raise ValueError(f"request {parent_id!r}: cannot fork {num_tokens} tokens, "
                              f"{parent.num_computed} are computed")
-        self._requests[child_id] = _Request(parent.block_table.fork(num_tokens), num_tokens)
+        self._requests[child_id] = _Request(parent.block_table.fork(num_tokens), self._rows.acquire(), num_tokens)
 
     def adopt(self, child_id: str, parent_id: str) -> None:
         """Make `child_id`'s sequence the sequence of `parent_id` and forget `child_id`; the parent's old
@@ -123,6 +171,7 @@ class DraftModelRunner:
         if child_id == parent_id:
             raise ValueError(f"request {child_id!r} cannot adopt itself")
         parent.block_table.shrink(0)
+        self._rows.release(parent.row)
         self._requests[parent_id] = child
         del self._requests[child_id]
 
@@ -154,8 +203,12 @@ class DraftModelRunner:
         counts = [num_logits] * len(chunks) if isinstance(num_logits, int) else list(num_logits)
         if len(counts) != len(chunks):
             raise ValueError(f"{len(chunks)} chunks but {len(counts)} num_logits")
-        self._validate(chunks, counts)
-        self._reserve_all(chunks)
+        reqs = self._validate(chunks, counts)
+        self._reserve_all(chunks, reqs)
+        static = self.static
+        if (static is not None and all(len(c[1]) == 1 for c in chunks)
+                and static.fits(len(chunks), max(c[2] for c in chunks))):
+            return self._run_static(chunks, reqs)
         limit = max_tokens_per_seq or self.max_tokens_per_seq
         done = [0] * len(chunks)
         rows: list[list[torch.Tensor]] = [[] for _ in chunks]
@@ -168,7 +221,7 @@ class DraftModelRunner:
             ]
             if not pieces:
                 break
-            logits, per_piece = self._run(chunks, pieces, counts)
+            logits, per_piece = self._run(chunks, reqs, pieces, counts)
             passes += 1
             if passes == 1 and all(p.end == len(chunks[p.index][1]) for p in pieces):
                 return logits  # one pass fed every chunk whole: its rows are in chunk order already (no copy)
@@ -177,52 +230,73 @@ class DraftModelRunner:
                 done[piece.index] = piece.end
         return torch.cat([t for chunk_rows in rows for t in chunk_rows])
 
-    def _run(self, chunks: Sequence[Chunk], pieces: list[_Piece], num_logits: list[int]
-             ) -> tuple[torch.Tensor, list[int]]:
+    def _run(self, chunks: Sequence[Chunk], chunk_reqs: list[_Request], pieces: list[_Piece],
+             num_logits: list[int]) -> tuple[torch.Tensor, list[int]]:
         """One model pass over `pieces`; returns the logits of each piece's tokens among the last
         `num_logits` of their chunk (possibly none), piece after piece, and how many rows each piece has."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        logit_rows: list[int] = []
-        logit_counts: list[int] = []
-        tables: list[list[int]] = []
-        for p in pieces:
-            req_id, tokens, start = chunks[p.index]
-            table = self._requests[req_id].block_table
-            first, last = start + p.begin, start + p.end
-            input_ids.extend(tokens[p.begin : p.end])
-            positions.extend(range(first, last))
-            slots.extend(table.slots(first, last))
-            row0 = query_start[-1] - p.begin  # flat row of chunk offset 0
-            wanted_from = max(p.begin, len(tokens) - num_logits[p.index])
-            logit_rows.extend(range(row0 + wanted_from, row0 + p.end))
-            logit_counts.append(max(0, p.end - wanted_from))
-            query_start.append(row0 + p.end)
-            seq_lens.append(last)
-            tables.append(table.blocks[: -(-last // self.block_size)])
-        max_query_len = max(p.end - p.begin for p in pieces)
+        reqs = [chunk_reqs[p.index] for p in pieces]
+        rows = [r.row for r in reqs]
+        self._rows.sync(rows, [r.block_table for r in reqs])
+        n = len(pieces)
+        # per piece: first and end offset in its chunk, the chunk's start, the chunk offset of its first
+        # logit row (the chunk's last `num_logits` tokens)
+        begin, end, start, first_logit = np.array(
+            [(p.begin, p.end, chunks[p.index][2], len(chunks[p.index][1]) - num_logits[p.index]) for p in pieces],
+            dtype=np.int64).reshape(n, 4).T
+        sizes = end - begin
+        ints = np.empty(2 * n + 1, dtype=np.int32)  # query_start_loc, then seq_lens: one host-to-device copy
+        query_start, seq_lens = ints[: n + 1], ints[n + 1 :]
+        query_start[0] = 0
+        np.cumsum(sizes, out=query_start[1:])
+        np.add(start, end, out=seq_lens)
+        total = int(query_start[-1])
+        owner = np.repeat(np.arange(n), sizes)  # the piece of each token
+        offset = begin[owner] + np.arange(total) - query_start[owner]  # its offset in its chunk
+        logit_rows = np.flatnonzero(offset >= first_logit[owner])
+        longs = np.empty(3 * total + len(logit_rows), dtype=np.int64)  # ids, positions, slots, logit rows
+        longs[:total] = list(chain.from_iterable(chunks[p.index][1][p.begin : p.end] for p in pieces))
+        positions = longs[total : 2 * total]
+        np.add(start[owner], offset, out=positions)
+        bs = self.block_size
+        seq_lens_cpu = seq_lens.tolist()
+        table = self._rows.array[rows, : -(-max(seq_lens_cpu) // bs)]
+        np.add(table[owner, positions // bs].astype(np.int64) * bs, positions % bs, out=longs[2 * total : 3 * total])
+        longs[3 * total :] = logit_rows
+        longs_t, ints_t = self._array(longs), self._array(ints)
+        max_query_len = int(sizes.max())
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            query_start_loc=self._tensor(query_start, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            block_table=self._padded(tables),
-            query_start_loc_cpu=query_start,
-            seq_lens_cpu=seq_lens,
+            slot_mapping=longs_t[2 * total : 3 * total],
+            query_start_loc=ints_t[: n + 1],
+            seq_lens=ints_t[n + 1 :],
+            block_table=self._array(table),
+            query_start_loc_cpu=query_start.tolist(),
+            seq_lens_cpu=seq_lens_cpu,
             max_query_len=max_query_len,
-            max_seq_len=max(seq_lens),
+            max_seq_len=max(seq_lens_cpu),
+            backend=self._backend(max_query_len),
         )
+        hidden = self.model(longs_t[:total], longs_t[total : 2 * total], self.kv_cache.layers, meta)
+        for req, seq_len in zip(reqs, seq_lens_cpu, strict=True):
+            req.num_computed = seq_len
+        logit_counts = np.maximum(0, end - np.maximum(begin, first_logit)).tolist()
+        return self.model.compute_logits(hidden[longs_t[3 * total :]]), logit_counts
+
+    def _run_static(self, chunks: Sequence[Chunk], reqs: list[_Request]) -> torch.Tensor:
+        """A decode-shaped forward through the static buffers (and the bucket's CUDA graph)."""
+        rows = [r.row for r in reqs]
+        self._rows.sync(rows, [r.block_table for r in reqs])
+        logits = self.static.run([c[1][0] for c in chunks], [c[2] for c in chunks], rows, self._rows.array)
+        for req in reqs:
+            req.num_computed += 1
+        return logits
+
+    def _backend(self, max_query_len: int):
+        """The attention of a pass: vLLM's kernels on CUDA, else the fused op for one-token passes."""
         if self.vllm_backend is not None:
-            meta.backend = self.vllm_backend
-        elif max_query_len == 1 and self.fused_decode:
-            meta.backend = decode_attention
-        input_t, positions_t = self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
-        hidden = self.model(input_t, positions_t, self.kv_cache.layers, meta)
-        for p, seq_len in zip(pieces, seq_lens, strict=True):
-            self._requests[chunks[p.index][0]].num_computed = seq_len
-        return self.model.compute_logits(hidden[self._tensor(logit_rows, torch.int64)]), logit_counts
+            return self.vllm_backend
+        if max_query_len == 1 and self.fused_decode:
+            return decode_attention
+        return reference_paged_attention
 
     # ---- helpers -------------------------------------------------------------------------------
     def _get(self, req_id: str) -> _Request:
@@ -231,36 +305,43 @@ class DraftModelRunner:
         except KeyError:
             raise KeyError(f"request {req_id!r} is unknown to the draft runner (add_request first)") from None
 
-    def _validate(self, chunks: Sequence[Chunk], num_logits: list[int]) -> None:
-        seen: set[str] = set()
-        for (req_id, tokens, start), wanted in zip(chunks, num_logits, strict=True):
-            req = self._get(req_id)
-            if req_id in seen:
-                raise ValueError(f"request {req_id!r} appears twice in one forward call")
-            seen.add(req_id)
+    def _validate(self, chunks: Sequence[Chunk], num_logits: list[int]) -> list[_Request]:
+        """The chunks' requests, after checking the chunks against them."""
+        reqs = [self._get(c[0]) for c in chunks]
+        if len({c[0] for c in chunks}) < len(chunks):
+            seen: set[str] = set()
+            req_id = next(c[0] for c in chunks if c[0] in seen or seen.add(c[0]))
+            raise ValueError(f"request {req_id!r} appears twice in one forward call")
+        for (req_id, tokens, start), wanted, req in zip(chunks, num_logits, reqs, strict=True):
             if start != req.num_computed:
                 raise ValueError(f"request {req_id!r}: chunk starts at {start} but {req.num_computed} tokens "
                                  "are computed; truncate first to roll back")
             if not 1 <= wanted <= len(tokens):
                 raise ValueError(f"request {req_id!r}: num_logits={wanted} needs 1..{len(tokens)} "
                                  "(the chunk's length)")
+        return reqs
 
-    def _reserve_all(self, chunks: Sequence[Chunk]) -> None:
+    def _reserve_all(self, chunks: Sequence[Chunk], reqs: list[_Request]) -> None:
         """Allocate blocks for all chunks (growth and private copies of shared blocks), or none of them.
 
         The copy count is an upper bound (two forks writing one shared block copy it once), so once the
         check passes every `ensure` succeeds.
         """
-        needs = [(self._requests[r].block_table, s + len(t), s) for r, t, s in chunks]
-        total = sum(table.blocks_needed(n, write_from=s) for table, n, s in needs)
+        bs, refcount = self.block_size, self.kv_cache.allocator.refcount
+        needs = [(req.block_table, s + len(t), s) for req, (_, t, s) in zip(reqs, chunks, strict=True)]
+        # one token at position s: a new block when s starts one, else a copy of its block if shared (what
+        # `blocks_needed` says, without its per-call lists)
+        counts = [(1 if s // bs >= len(table.blocks) or refcount(table.blocks[s // bs]) > 1 else 0)
+                  if n == s + 1 else table.blocks_needed(n, write_from=s) for table, n, s in needs]
+        total = sum(counts)
         if total > self.num_free_blocks:
             raise OutOfBlocksError(total, self.num_free_blocks)
-        for table, n, s in needs:
-            table.ensure(n, write_from=s)
+        for (table, n, s), count in zip(needs, counts, strict=True):
+            if count:  # a table needing no block neither grows nor holds a shared block in its write range
+                table.ensure(n, write_from=s)
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _padded(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
+    def _array(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values).to(self.device, non_blocking=True)

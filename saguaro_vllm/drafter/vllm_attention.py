@@ -49,6 +49,16 @@ _NUM_PAR_SOFTMAX_SEGMENTS = 16
 
 
 # ---- lazy imports of vLLM -----------------------------------------------------------------------------
+#: kernel -> why vLLM's kernel is unavailable in this process (filled by the lazy imports below).
+_unavailable: dict[str, str] = {}
+
+
+def unavailable_reason() -> str | None:
+    """Why `select` kept the drafter's own kernels on CUDA (e.g. "vllm_flash_attn: No module named 'vllm'"),
+    after a `select` on a CUDA device; None when nothing of vLLM was found missing."""
+    return "; ".join(f"{k}: {v}" for k, v in _unavailable.items()) or None
+
+
 @functools.cache
 def _flash_attn():
     """`(flash_attn_varlen_func, is_fa_version_supported)`, or None without vLLM's FlashAttention build."""
@@ -56,6 +66,7 @@ def _flash_attn():
         from vllm.vllm_flash_attn import flash_attn_varlen_func, is_fa_version_supported
     except Exception as exc:  # ImportError, or no CUDA extensions in this build (the CPU build raises)
         logger.debug("vllm_flash_attn unavailable: %s", exc)
+        _unavailable["vllm_flash_attn"] = str(exc)
         return None
     return flash_attn_varlen_func, is_fa_version_supported
 
@@ -67,10 +78,12 @@ def _unified_attention():
         import vllm.triton_utils as triton_utils
 
         if not triton_utils.HAS_TRITON:
+            _unavailable["unified_attention"] = "vLLM has no Triton here"
             return None
         from vllm.v1.attention.ops.triton_unified_attention import unified_attention
     except Exception as exc:
         logger.debug("vLLM's unified_attention unavailable: %s", exc)
+        _unavailable["unified_attention"] = str(exc)
         return None
     return unified_attention
 
@@ -158,6 +171,7 @@ class FlashAttention:
             q=query, k=kv_cache[0], v=kv_cache[1], max_seqlen_q=meta.max_query_len,
             cu_seqlens_q=meta.query_start_loc, max_seqlen_k=meta.max_seq_len, seqused_k=meta.seq_lens,
             softmax_scale=scale, causal=True, block_table=meta.block_table, out=out, fa_version=self.fa_version,
+            num_splits=getattr(meta, "num_splits", 0),  # fixed under CUDA graphs (static_forward.py)
         )
         return out.to(q.dtype)
 
