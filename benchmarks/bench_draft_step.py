@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from pathlib import Path
 
 from bench_ops import save_results
@@ -19,19 +17,11 @@ from tqdm import tqdm
 
 
 def step_ms(runner, prefix: int, rows: int, reps: int) -> float:
-    ids = [f"b{rows}-{i}" for i in range(rows)]
-    for i in ids:
-        runner.fork("parent", i, prefix)
-    times = []
-    for _ in range(reps + 2):
-        t0 = time.perf_counter()
-        runner.forward([(i, [7], prefix) for i in ids])
-        times.append(time.perf_counter() - t0)
-        for i in ids:
-            runner.truncate(i, prefix)
-    for i in ids:
-        runner.free_request(i)
-    return statistics.median(times[2:]) * 1e3
+    """Median ms of one forward over `rows` branches forked at `prefix` (`saguaro-vllm calibrate` times the
+    draft forward with the same function)."""
+    from saguaro_vllm.projection.calibrate import step_s
+
+    return step_s(runner, prefix, rows, reps) * 1e3
 
 
 def main() -> None:

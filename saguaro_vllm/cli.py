@@ -109,6 +109,65 @@ def _run_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(script), *args.args])
 
 
+def _add_project(p: argparse.ArgumentParser) -> None:
+    p.add_argument("traces", nargs="+", help="trace files written with saguaro.trace_dir (*.jsonl.gz)")
+    p.add_argument("--cost-model", help="cost model JSON (saguaro-vllm calibrate, or written by hand with a "
+                   "source per number; docs/projection.md); default: the one each trace measured itself")
+    p.add_argument("--batch-sizes", help="batch sizes to project, e.g. 1,4,16,64 (default: each trace's own)")
+    p.add_argument("--out", default="projection", help="output directory (projection.json, projection.png)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the outcomes drawn for diverging rounds")
+    p.add_argument("--last-group", action="store_true", help="count only each trace's last group of requests "
+                   "(e.g. after a benchmark's warm-up; earlier steps still shape the policy's state)")
+
+
+def _run_project(args: argparse.Namespace) -> int:
+    from .projection.project import format_report, run_project
+
+    try:
+        sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
+        report = run_project(args.traces, args.cost_model, args.out, sizes, args.seed, args.last_group)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"saguaro-vllm project: error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    print(f"wrote {args.out}/projection.json" + (f" and {report['plot']}" if report.get("plot") else
+                                                 " (no plot: matplotlib is not installed)"))
+    return 0
+
+
+def _add_calibrate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", help="draft model directory: its forward is timed here by rows")
+    p.add_argument("--rows", default="1,2,4,8,16,32", help="rows per timed draft forward (default 1,2,4,8,16,32)")
+    p.add_argument("--core", type=int, help="CPU core to pin the draft timing to (the drafter's core)")
+    p.add_argument("--verify-curve", help="benchmarks/verify_curve.py JSON: the target's verification by batch "
+                   "and drafts per row")
+    p.add_argument("--from-trace", nargs="*", default=[], help="traces of real runs on this machine: host "
+                   "overheads (and, without --verify-curve, the verification as the drafter saw it)")
+    p.add_argument("--name", help="a name for the cost model")
+    p.add_argument("--out", required=True, help="where to write the cost model JSON")
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from .projection.calibrate import calibrate
+
+    try:
+        cost = calibrate(args.out, args.draft, args.verify_curve, args.from_trace,
+                         [int(r) for r in args.rows.split(",")], args.name, args.core)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"saguaro-vllm calibrate: error: {e}", file=sys.stderr)
+        return 2
+    d = cost.draft
+    print(f"draft forward: {1e3 * d.fixed_s:.2f} ms + {1e3 * d.per_row_s:.3f} ms per token "
+          f"+ {1e3 * d.per_logit_s:.3f} ms per logit row")
+    for b in sorted(cost.verify):
+        print(f"verification, batch {b}: " + ", ".join(f"{t:g} tokens/row {1e3 * s:.1f} ms"
+                                                     for t, s in sorted(cost.verify[b].items())))
+    for k, v in cost.overheads.items():
+        print(f"{k}: {1e3 * v:.3f} ms")
+    print(f"wrote {args.out}")
+    return 0
+
+
 SUBCOMMANDS: dict[str, tuple[str, AddArgs, Run]] = {
     "bench": (
         "side-by-side benchmark: vLLM AR, vLLM draft_model, Saguaro sync and async (benchmarks/run.py)",
@@ -119,6 +178,17 @@ SUBCOMMANDS: dict[str, tuple[str, AddArgs, Run]] = {
         "the same prompts through plain vLLM and Saguaro (vllm serve, demo pair): tokens/s, speedup, hit rate",
         _add_demo,
         _run_demo,
+    ),
+    "project": (
+        "replay traces through Saguaro's policy under a cost model: projected tokens/s of AR, draft_model, "
+        "sync and SSD (docs/projection.md)",
+        _add_project,
+        _run_project,
+    ),
+    "calibrate": (
+        "measure this machine's cost model for a pair (draft forward by rows, verification, host overheads)",
+        _add_calibrate,
+        _run_calibrate,
     ),
     "make-demo-pair": (
         "build (or reuse from the cache) the locally trained demo target/draft pair",

@@ -182,6 +182,19 @@ class SaguaroOptions(BaseModel):
         "temperature (drafter/scale_choice.py). Output stays exact for any C.",
     )
 
+    trace_dir: str | None = Field(
+        None,
+        description="Directory for the drafter's replay trace (off when null): per step and row the "
+        "verification outcome, the ranked candidates per depth, what was pre-drafted and served, and the "
+        "measured times, as gzipped JSON lines that `saguaro-vllm project` replays (docs/projection.md). "
+        "One file per drafter process.",
+    )
+    trace_max_mb: float = Field(
+        256.0,
+        description="Size bound of one trace file in MB (compressed); recording stops with one log line when "
+        "it is reached.",
+    )
+
     @field_validator("block_size")
     @classmethod
     def _block_size(cls, v: int) -> int:
@@ -223,7 +236,7 @@ class SaguaroOptions(BaseModel):
             raise ValueError("needs K+1 non-negative numbers summing to 1..256")
         return v
 
-    @field_validator("step_timeout_s", "startup_timeout_s", "step_deadline_floor_s")
+    @field_validator("step_timeout_s", "startup_timeout_s", "step_deadline_floor_s", "trace_max_mb")
     @classmethod
     def _positive(cls, v: float) -> float:
         if v <= 0:

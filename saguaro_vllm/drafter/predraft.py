@@ -14,6 +14,7 @@ import torch
 
 from saguaro_vllm.drafter.branches import BranchRoot, BranchRun
 from saguaro_vllm.drafter.predictor import MAX_RANK, candidates_from, top_tokens
+from saguaro_vllm.drafter.trace import BRANCH, GLUE
 
 
 def _ranked(top: list[list[int]], drafts) -> list[list[int]]:
@@ -32,7 +33,13 @@ class PreDrafter:
             yield  # nothing before the answer is out: the first forward runs on the next `advance`
             t0 = time.perf_counter()
             self._flush_garbage()
+            trace = self.trace
+            if trace is not None:
+                trace.phase = GLUE
             roots, scores = self._glue(req_ids)
+            if trace is not None:
+                trace.phase = BRANCH
+                trace.candidates([r.req_id for r in roots], scores, [r.drafts for r in roots])
             yield
             if not roots:
                 return
@@ -52,6 +59,11 @@ class PreDrafter:
                 tops.append(top[offset: offset + root.k + 1])
                 offset += root.k + 1
                 self._sent[root.req_id].ranked = _ranked(tops[-1], root.drafts)
+            if trace is not None and trace.rec is not None:
+                pre = trace.rec.setdefault("pre", {})
+                pre.update(plan=[plan.branches, plan.steps], pays=pays, k=k, batch=len(roots))
+                for root, fan in zip(roots, fans):
+                    pre.setdefault("rows", {}).setdefault(root.req_id, {})["fan"] = fan
             if not pays:
                 stats.skipped = True
                 return
@@ -69,7 +81,10 @@ class PreDrafter:
                 s0 = time.perf_counter()
                 rows = run.live_rows
                 run.step()  # ends with its tokens' transfer to the host: the forward is done on any device
-                self.planner.record_forward(rows, time.perf_counter() - s0)
+                seconds = time.perf_counter() - s0
+                self.planner.record_forward(rows, seconds)
+                if trace is not None:
+                    trace.forward(rows, rows, seconds)
                 yield
         finally:
             if run is not None:
@@ -80,6 +95,8 @@ class PreDrafter:
                     else:
                         self._release(branch.seq_id)
             stats.predraft_s = time.perf_counter() - t0
+            if self.trace is not None and self.trace.rec is not None and run is not None:
+                self.trace.rec.setdefault("pre", {}).update(steps_done=run.steps_done, dropped=run.dropped)
 
     def _glue(self, req_ids: list[str]) -> tuple[list[BranchRoot], list[torch.Tensor]]:
         """Feed every token of context + drafts the draft has no KV for (normally just x_K; after an

@@ -102,11 +102,16 @@ class RoundPlanner:
         verify_s = late_s = 0.0
         if self.answered_at is not None:
             verify_s, late_s = max(0.0, sent - self.answered_at), now - sent
-            self.verify_s = smooth(self.verify_s, verify_s)
-            if ran_branches:
-                self.late_s = smooth(self.late_s, late_s)
+            self.observe_round(verify_s, late_s, ran_branches)
         self.answered_at = None
         return verify_s, late_s
+
+    def observe_round(self, verify_s: float, late_s: float, ran_branches: bool) -> None:
+        """A round's verification time and lateness, however measured (the replay's virtual clock feeds
+        them here, projection/replay.py)."""
+        self.verify_s = smooth(self.verify_s, verify_s)
+        if ran_branches:
+            self.late_s = smooth(self.late_s, late_s)
 
     def record_forward(self, rows: int, seconds: float, logits: int | None = None) -> None:
         """A draft forward that fed `rows` tokens and computed `logits` logit rows (default: one per token)."""

@@ -79,7 +79,9 @@ def build_drafter(cfg: dict):
     from saguaro_vllm.drafter.model.loader import load_draft_model
     from saguaro_vllm.drafter.runner import DraftModelRunner
     from saguaro_vllm.drafter.ssd_drafter import SSDDrafter
+    from saguaro_vllm.drafter.static_forward import resolve_cuda_graphs
     from saguaro_vllm.drafter.sync_drafter import SyncDrafter
+    from saguaro_vllm.drafter.trace import TraceRecorder
     from saguaro_vllm.ops import loader as ops_loader
 
     dtype = _dtype(cfg["dtype"])
@@ -99,7 +101,11 @@ def build_drafter(cfg: dict):
                          f"{kv_bytes} bytes on {cfg['device']}: {err} (set saguaro.kv_cache_gb to a number of "
                          "GiB, or free memory on the draft's device)") from None
     runner = DraftModelRunner(model, KVCacheConfig(num_blocks=num_blocks, block_size=block_size),
-                              max_tokens_per_seq=cfg["saguaro"]["max_tokens_per_forward"])
+                              max_tokens_per_seq=cfg["saguaro"]["max_tokens_per_forward"],
+                              cuda_graphs=resolve_cuda_graphs(cfg["saguaro"].get("cuda_graphs", "auto"),
+                                                              cfg["device"]),
+                              static_max_len=cfg.get("max_model_len"))
+    graphs_s = runner.capture_graphs()  # every bucket now, none in the middle of a round (static_forward.py)
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     if delay > 0:
         _slow_down(runner, delay)
@@ -109,11 +115,18 @@ def build_drafter(cfg: dict):
             "warm_s": round(warm_s, 2),
             # e.g. "attention=cpp sampling=cpp linear=packed (saguaro_ops, sources: package)"
             "ops": ops_loader.summary(cfg["device"], linear=linear),
-            "attention": runner.attention_impl}  # what every forward's attention runs (vllm_attention.py)
+            "attention": runner.attention_impl,  # what every forward's attention runs (vllm_attention.py)
+            "graphs": runner.graph_mode,  # how one-token forwards run: cuda-graphs, static or dynamic
+            "graphs_s": round(graphs_s, 2)}
     if mode == "async":
-        return SSDDrafter(runner, vocab_size=cfg["vocab_size"], options=cfg["saguaro"],
-                          max_model_len=cfg.get("max_model_len")), info
-    return SyncDrafter(runner, vocab_size=cfg["vocab_size"], max_model_len=cfg.get("max_model_len")), info
+        drafter = SSDDrafter(runner, vocab_size=cfg["vocab_size"], options=cfg["saguaro"],
+                             max_model_len=cfg.get("max_model_len"))
+    else:
+        drafter = SyncDrafter(runner, vocab_size=cfg["vocab_size"], max_model_len=cfg.get("max_model_len"))
+    drafter.trace = TraceRecorder.open(cfg["saguaro"], {
+        "mode": mode, "k": cfg.get("num_speculative_tokens"), "options": cfg["saguaro"],
+        "device": cfg["device"], "draft": cfg.get("draft_path"), "vocab_size": cfg["vocab_size"]})
+    return drafter, info
 
 
 def _slow_down(runner, delay_s: float) -> None:
@@ -272,6 +285,9 @@ def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
             chan.send(resp, wait_s=REPLY_WAIT_S)
             drafter.answered()
     finally:
+        trace = getattr(locals().get("drafter"), "trace", None)
+        if trace is not None:
+            trace.close()
         chan.close()
 
 

@@ -36,6 +36,7 @@ from saguaro_vllm.drafter.sampling import sample_proposals
 from saguaro_vllm.drafter.scale_choice import ScaleChoice, temperature_bucket
 from saguaro_vllm.drafter.spec_cache import SpeculationCache
 from saguaro_vllm.drafter.sync_drafter import NO_ROOM, SyncDrafter, _ReqState
+from saguaro_vllm.drafter.trace import rank_of
 from saguaro_vllm.transport import StepRequest, StepResponse
 
 logger = logging.getLogger("saguaro_vllm.drafter")
@@ -100,6 +101,7 @@ class _Answer:
     misses: list[int] = dataclasses.field(default_factory=list)
     topups: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, drafts to add): hits cut short
     fast: set[int] = dataclasses.field(default_factory=set)  # misses answered by the n-gram backup (or nothing)
+    trace: dict[int, dict] = dataclasses.field(default_factory=dict)  # row -> its trace fields (tracing only)
 
     def __post_init__(self, n: int) -> None:
         self.drafts = [[] for _ in range(n)]
@@ -172,6 +174,8 @@ class SSDDrafter(PreDrafter, SyncDrafter):
     def answered(self) -> None:
         """The answer of the last `step` went out: the verification starts now."""
         self.planner.answered()
+        if self.trace is not None:
+            self.trace.answered()
 
     def advance(self) -> None:
         """One forward of the pre-draft, or the deferred clean-up when no pre-draft is pending."""
@@ -194,15 +198,22 @@ class SSDDrafter(PreDrafter, SyncDrafter):
     def _forward(self, chunks, num_logits=1) -> torch.Tensor:
         """A timed forward: the planner's cost model learns from every forward the drafter runs."""
         t0 = time.perf_counter()
-        logits = super()._forward(chunks, num_logits=num_logits)
+        logits = self._model_forward(chunks, num_logits=num_logits)
         self.runner.synchronize()  # on CUDA the clock must see the forward, not its launch
-        self.planner.record_forward(sum(len(c[1]) for c in chunks), time.perf_counter() - t0, logits=logits.shape[0])
+        seconds, tokens = time.perf_counter() - t0, sum(len(c[1]) for c in chunks)
+        self.planner.record_forward(tokens, seconds, logits=logits.shape[0])
+        if self.trace is not None:
+            self.trace.forward(tokens, logits.shape[0], seconds)
         return logits
 
     # ---- the answer ---------------------------------------------------------------------------------
     def step(self, req: StepRequest) -> StepResponse:
         t0 = time.perf_counter()
         stats, ran_branches = self._close_round(req)
+        if self.trace is not None:
+            self.trace.begin_step(req.step, len(req.rows), verify_s=stats.verify_s,
+                                  late_s=stats.late_s, depth=stats.depth, cut_short=stats.cut_short,
+                                  ran_branches=ran_branches, sent_at=req.sent_at)
         self._begin_step(req)
         ans = _Answer(len(req.rows))
         for i, row in enumerate(req.rows):
@@ -217,9 +228,12 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         self._send_rounds(req, ans, stats)
         stats.alpha = self.predictor.neural.alpha
         looked_up = [x for x in ans.status if x in (HIT, JIT, NGRAM)]
-        self.planner.end_step(time.perf_counter() - t0, sum(1 + len(d) for d in ans.drafts), looked_up.count(HIT),
+        answer_s = time.perf_counter() - t0
+        self.planner.end_step(answer_s, sum(1 + len(d) for d in ans.drafts), looked_up.count(HIT),
                               len(looked_up), jit=bool(jit_rows), all_hit=not jit_rows and HIT in ans.status,
                               ran_branches=ran_branches)
+        if self.trace is not None:
+            self._trace_answer(req, ans, answer_s)
         resp = StepResponse(req.step, ans.drafts, {}, time.perf_counter() - t0, ans.resync,
                             live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
                             row_status=ans.status, row_depth=ans.depth, ssd=dataclasses.asdict(stats),
@@ -258,6 +272,11 @@ class SSDDrafter(PreDrafter, SyncDrafter):
             if outcome is not None:
                 ans.depth[i] = outcome.accepted
                 self._observe(st, sent, outcome, missed=branch is None, had_branches=had_branches)
+            if self.trace is not None:
+                ranked = self.trace.ranked.pop(row.req_id, None)
+                ans.trace[i] = {"a": outcome.accepted if outcome else -1, "t": outcome.bonus if outcome else -1,
+                                "k": len(sent.drafts), "fast": sent.fast, "scale": sent.scale,
+                                "rank": rank_of(ranked, outcome.accepted, outcome.bonus) if outcome else -1}
         else:
             self.cache.drop(row.req_id)
             ans.status[i] = NEW
@@ -315,6 +334,8 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         ngram = ({i: ngram_drafts(self.reqs[req.rows[i].req_id].context, ans.want[i]) for i in ans.misses}
                  if self.planner.needs_ngram_drafts() else {})
         now = set(self._choose_draft_now(req, ans.status, ans.drafts, ans.misses, ans.topups, ngram, ans.want))
+        if self.trace is not None:
+            self._trace_backups(req, ans, ngram)
         jit_rows = [i for i in ans.misses if i in now]
         topups = [(i, more) for i, more in ans.topups if i in now]
         ans.fast = set(ans.misses) - now
@@ -329,6 +350,29 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         stats.topups = len(topups)
         self._draft_now(req, ans.drafts, ans.probs, topups, jit_rows, ans.want)
         return jit_rows
+
+    def _trace_backups(self, req: StepRequest, ans: _Answer, ngram: dict[int, list[int]]) -> None:
+        """Per miss: the context a jit draft would feed and the n-gram drafts it could keep (the replay
+        decides backups itself); per cut-short hit: the top-up it could get."""
+        for i in ans.misses:
+            rid = req.rows[i].req_id
+            st = self.reqs[rid]
+            computed = self.runner.num_computed(rid) if self.runner.has_request(rid) else 0
+            ng = ngram[i] if i in ngram else ngram_drafts(st.context, ans.want[i])
+            ans.trace.setdefault(i, {}).update(feed=max(1, len(st.context) - computed), ng=len(ng))
+        for i, more in ans.topups:
+            ans.trace.setdefault(i, {})["more"] = more
+
+    def _trace_answer(self, req: StepRequest, ans: _Answer, answer_s: float) -> None:
+        """The step's rows (status, outcome, what was served) and its answer time."""
+        rec = self.trace.rec
+        for i, row in enumerate(req.rows):
+            st = self.reqs.get(row.req_id)
+            rec["rows"].append({"id": row.req_id, "st": ans.status[i], "new": len(row.new_tokens), "nd": row.num_drafts,
+                                "temp": st.sampling.temperature if st is not None else 0.0,
+                                "want": ans.want.get(i, 0), "served": len(ans.drafts[i]), **ans.trace.get(i, {})})
+        rec["answer_s"] = answer_s
+        rec["hit_rate"], rec["rate"] = self.planner.hit_rate, self.planner.rate
 
     def _send_rounds(self, req: StepRequest, ans: _Answer, stats: SSDStats) -> None:
         """Every row with drafts starts a round (what the next lookup is against) and the pre-draft for

@@ -18,6 +18,8 @@ from saguaro_vllm.drafter.kv_cache import OutOfBlocksError
 from saguaro_vllm.drafter.room import NoRoomLog
 from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.sampling import request_generator, sample_proposals
+from saguaro_vllm.drafter.spec_cache import derive_outcome
+from saguaro_vllm.drafter.trace import TraceRecorder
 from saguaro_vllm.proposal_buffers import ProposalRing, SlotWriter, fit_rows
 from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest, StepResponse
 
@@ -63,12 +65,17 @@ class SyncDrafter:
         self._last_used: dict[str, int] = {}  # request -> the last step that had it as a row (for eviction)
         self._step = 0
         self._no_room: set[int] = set()  # rows of the current step refused for lack of room
+        #: the opt-in replay trace (`saguaro.trace_dir`, set by the server; drafter/trace.py); None: off
+        self.trace: TraceRecorder | None = None
+        self._trace_sent: dict[str, list[int]] = {}  # `sync` with a trace: each request's last drafts
 
     # ---- the server loop's hooks (SSD does work between requests; sync drafting does none) ----------
     busy = False
 
     def answered(self) -> None:
         """The answer of the last `step` went out."""
+        if self.trace is not None:
+            self.trace.answered()
 
     def advance(self) -> None:
         """Work between requests: none in `mode: sync`."""
@@ -180,6 +187,8 @@ class SyncDrafter:
     def _draft_step(self, req: StepRequest, writer: SlotWriter) -> StepResponse:
         t0 = time.perf_counter()
         self._begin_step(req)
+        if self.trace is not None:
+            self._trace_lookups(req)
         drafts: list[list[int]] = [[] for _ in req.rows]
         jobs: dict[int, int] = {}  # row -> drafts it gets (K, fewer near the limits)
         order: list[int] = []
@@ -207,6 +216,8 @@ class SyncDrafter:
         no_room = set(self._end_step(drafts))
         status = [NO_ROOM if i in no_room else DRAFTED if drafts[i] else NONE for i in range(len(req.rows))]
         probs_slot, probs_rows = self._publish_probs(req, drafts, probs, writer)
+        if self.trace is not None:
+            self._trace_answer(req, drafts, status, time.perf_counter() - t0)
         return StepResponse(req.step, drafts, {}, time.perf_counter() - t0, resync,
                             live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
                             row_status=status, probs_slot=probs_slot, probs_rows=probs_rows,
@@ -265,7 +276,36 @@ class SyncDrafter:
             order, chunks = self._fit(req.rows, next_order, next_chunks)
 
     def _forward(self, chunks, num_logits=1) -> torch.Tensor:
+        if self.trace is None:
+            return self._model_forward(chunks, num_logits)
+        t0 = time.perf_counter()
+        logits = self._model_forward(chunks, num_logits)
+        self.runner.synchronize()  # on CUDA the clock must see the forward, not its launch
+        self.trace.forward(sum(len(c[1]) for c in chunks), logits.shape[0], time.perf_counter() - t0)
+        return logits
+
+    def _model_forward(self, chunks, num_logits=1) -> torch.Tensor:
         return self.runner.forward(chunks, num_logits=num_logits)[:, : self.vocab_size]
+
+    # ---- the replay trace of `mode: sync` (drafter/trace.py) -------------------------------------------
+    def _trace_lookups(self, req: StepRequest) -> None:
+        """Start the step's record: the verification time and, per row, the outcome of its last drafts."""
+        rec = self.trace.begin_step(req.step, len(req.rows), verify_s=self.trace.verify_since_answer(req.sent_at),
+                                    sent_at=req.sent_at)
+        for row in req.rows:
+            st, sent = self.reqs.get(row.req_id), self._trace_sent.pop(row.req_id, None)
+            out = (derive_outcome(sent, row.new_tokens)
+                   if sent and st is not None and row.start == len(st.context) else None)
+            rec["rows"].append({"id": row.req_id, "st": "new" if st is None else "drafted",
+                                "a": out.accepted if out else -1, "t": out.bonus if out else -1,
+                                "k": len(sent or ()), "new": len(row.new_tokens)})
+
+    def _trace_answer(self, req: StepRequest, drafts: list[list[int]], status: list[str], answer_s: float) -> None:
+        for row, rec, d, st in zip(req.rows, self.trace.rec["rows"], drafts, status, strict=True):
+            rec.update(served=len(d), answer=st)
+            if d:
+                self._trace_sent[row.req_id] = list(d)
+        self.trace.rec["answer_s"] = answer_s
 
     def _choose(self, req_ids: list[str], logits: torch.Tensor, depths: list[int]
                 ) -> tuple[list[int], list[torch.Tensor | None], tuple[list[int], torch.Tensor] | None]:

@@ -1,0 +1,92 @@
+"""The "Projected on GPUs" section of docs/benchmarks.md (called by report.py): first the validation of the
+replay on this machine (`validate_projection.py`: projected vs measured), then the GPU projection
+(`project_gpu.py`) beside the SSD paper's published figures and its sanity check (`gpu_cost_models.py`).
+Labelled as a projection everywhere: no GPU ran any of it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _newest(pattern: str) -> dict | None:
+    files = sorted(RESULTS.glob(pattern))
+    if not files:
+        return None
+    data = json.loads(files[-1].read_text())
+    data["_file"] = files[-1].name
+    return data
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:+.1f} %"
+
+
+def validation_lines(data: dict) -> list[str]:
+    out = [f"**Validation on this machine** (`{data['_file']}`; command `{data.get('command', '')}`): each run's "
+           "trace replayed with the cost model calibrated here (`saguaro-vllm calibrate`), against what the same "
+           "run measured; bars: 10 % (tokens/s), 0.05 (hit rate). \"Own costs\": the replay under the cost model "
+           "fitted from that run's own trace (isolates the replay from the calibration). "
+           f"Machine: {data.get('machine', {}).get('cpu', '?')}; other jobs shared its 2 cores during these runs.",
+           "", "| mode | batch | T | measured tok/s | projected (calibrated) | error | own costs | error | "
+           "hit rate measured / projected | within bars |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in data["cells"]:
+        m, p, own = c["measured"], c["projected"], c.get("projected_own_costs", {})
+        hits = (f"{m.get('hit_rate')} / {p.get('hit_rate')}" if c["mode"] == "async" else "-")
+        out.append(f"| {c['mode']} | {c['batch']} | {c['temperature']:g} | {m['tokens_per_s']:.2f} | "
+                   f"{p['tokens_per_s']:.2f} | {_pct(c.get('tokens_error'))} | {own.get('tokens_per_s', '-')} | "
+                   f"{_pct(c.get('own_costs_error'))} | {hits} | {'yes' if c.get('within_bars') else 'no'} |")
+    return out + [""]
+
+
+def projection_lines(data: dict) -> list[str]:
+    out = [f"**Projection** (`{data['_file']}`; command `{data['command']}`): {data['note']}. Tokens/s per "
+           "sequence; a batch above 1 repeats the trace's rows.", "",
+           "| cost model | T | batch | vLLM AR | vLLM draft_model | Saguaro sync | SSD | SSD / sync | SSD hit rate |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["results"]:
+        rows: dict[int, dict[str, dict]] = {}
+        for p in r["projected"]:
+            rows.setdefault(p["batch"], {})[p["engine"]] = p
+        for b in sorted(rows):
+            e = rows[b]
+            ssd, sync = e["saguaro-async"], e["saguaro-sync"]
+            out.append(f"| {r['cost_model']} | {r['temperature']:g} | {b} | {e['vllm-ar']['per_seq_tokens_per_s']:.1f} | "
+                       f"{e['vllm-draft_model']['per_seq_tokens_per_s']:.1f} | {sync['per_seq_tokens_per_s']:.1f} | "
+                       f"{ssd['per_seq_tokens_per_s']:.1f} | {ssd['tokens_per_s'] / sync['tokens_per_s']:.2f} | "
+                       f"{ssd.get('hit_rate')} |")
+    out += ["", "Bars of the projection issue (H100, 70B TP4 + 1B): SSD >= 1.4x `sync` at batch 1 and T=0 (>= 1.25x "
+            "at T=1), hit rate >= 0.8 (0.6), SSD >= `sync` at every batch:", ""]
+    for r in data["results"]:
+        b = r["bars"]
+        if r["cost_model"] != "h100-70b-tp4-1b" or "met" not in b:
+            continue
+        out.append(f"- T={r['temperature']:g}: SSD/sync {b['ssd_over_sync_b1']} (bar {b['bar_ssd_over_sync_b1']}), "
+                   f"hit rate {b['hit_rate_b1']} (bar {b['bar_hit_rate_b1']}), SSD >= sync at every batch: "
+                   f"{b['ssd_at_least_sync_every_batch']}: **{'met' if b['met'] else 'missed'}**")
+    check = data.get("authors_check")
+    if check:
+        out += ["", f"**Sanity check against the authors' table** ({check['source']}), under the H100 70B TP4 + 1B "
+                f"cost model with acceptance {check['alpha_from_sd']} (the one that reproduces their SD figure; "
+                "AR is the cost model's anchor):", "", "| figure | paper | projected | ratio | role |",
+                "|---|---|---|---|---|"]
+        for key, v in check.items():
+            if isinstance(v, dict) and "paper" in v:
+                out.append(f"| {key} | {v['paper']} | {v['projected']} | {v['ratio']} | {v.get('role', '')} |")
+    return out + [""]
+
+
+def section() -> list[str]:
+    validation, projection = _newest("*-validate-projection-b1-256.json"), _newest("*-projection-gpu.json")
+    if validation is None and projection is None:
+        return []
+    out = ["## Projected on GPUs (a projection, not a measurement)", "",
+           "No GPU ran any of this. Recorded runs are replayed through the product's own policy code under "
+           "another cost model ([projection.md](projection.md)); the replay is believed only as far as the "
+           "validation below reproduces what this machine measured.", ""]
+    if validation is not None:
+        out += validation_lines(validation)
+    if projection is not None:
+        out += projection_lines(projection)
+    return out

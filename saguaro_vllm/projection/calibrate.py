@@ -1,0 +1,168 @@
+"""`saguaro-vllm calibrate`: this machine's cost model for a pair, as JSON for `saguaro-vllm project`.
+
+- draft forward by rows: timed here with the drafter's own runner, as the SSD pre-draft runs it (N branches
+  forked from one request, one token each; `step_s`, also used by benchmarks/bench_draft_step.py), pinned to
+  the drafter's core, then fitted like the drafter's own online model (`StepCostModel.fit_forwards`);
+- target verification by batch and tokens per row: a verify-curve JSON (benchmarks/verify_curve.py, vLLM's
+  step with a free oracle drafter), or the drafter-seen verification of traces;
+- host overheads from traces of real runs: the drafter's answer time beyond its forwards (per step and row)
+  and, given a verify curve, what the proposer and the transport add to the target's step.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+from saguaro_vllm.drafter.predictor import StepCostModel
+from saguaro_vllm.drafter.trace import read_trace
+from saguaro_vllm.projection.cost_model import CostModel, from_trace, mean_curve, verify_samples
+
+logger = logging.getLogger("saguaro_vllm.projection")
+
+
+def step_s(runner, prefix: int, rows: int, reps: int) -> float:
+    """Median seconds of one forward over `rows` branches forked at `prefix` from the request "parent",
+    one new token each (two warm-up forwards first)."""
+    ids = [f"b{rows}-{i}" for i in range(rows)]
+    for i in ids:
+        runner.fork("parent", i, prefix)
+    times = []
+    for _ in range(reps + 2):
+        t0 = time.perf_counter()
+        runner.forward([(i, [7], prefix) for i in ids])
+        runner.synchronize()
+        times.append(time.perf_counter() - t0)
+        for i in ids:
+            runner.truncate(i, prefix)
+    for i in ids:
+        runner.free_request(i)
+    return statistics.median(times[2:])
+
+
+def measure_draft(draft: str, rows_list: list[int], prefix: int = 256, reps: int = 6, dtype: str = "auto",
+                  linear: str = "auto", device: str = "cpu",
+                  core: int | None = None) -> tuple[StepCostModel, list[dict]]:
+    """Time the draft forward at each row count (pinned to `core`, as the drafter is); the fitted model and
+    the points."""
+    import torch
+
+    if core is not None:
+        from saguaro_vllm.placement import pin_process
+
+        pin_process([core])
+
+    from saguaro_vllm.drafter.kv_cache import KVCacheConfig
+    from saguaro_vllm.drafter.model.linear_kernels import install_linear_kernel, resolve_linear
+    from saguaro_vllm.drafter.model.loader import load_draft_model
+    from saguaro_vllm.drafter.runner import DraftModelRunner
+
+    if dtype == "auto":  # the drafter's own choice on a CPU (config.py: `dtype`)
+        from saguaro_vllm.resolve import cpu_has_bf16_matmul
+
+        dtype = "bfloat16" if device == "cpu" and cpu_has_bf16_matmul() else "float32"
+    kind = resolve_linear(linear, device, dtype)
+    model = load_draft_model(draft, dtype=getattr(torch, dtype), device=device)
+    install_linear_kernel(model, kind)
+    blocks = (prefix // 16 + 2) * (max(rows_list) + 1) + 16
+    runner = DraftModelRunner(model, KVCacheConfig(num_blocks=blocks, block_size=16))
+    runner.add_request("parent")
+    runner.forward([("parent", [5 + i % 97 for i in range(prefix)], 0)], max_tokens_per_seq=prefix)
+    points = [{"rows": r, "s": step_s(runner, prefix, r, reps)} for r in rows_list]
+    runner.free_request("parent")
+    fit = StepCostModel.fit_forwards([(p["rows"], p["rows"], p["s"]) for p in points])
+    return fit, points
+
+
+def verify_from_curve(path: str | Path) -> dict[int, dict[float, float]]:
+    """(batch -> tokens per row -> seconds) from benchmarks/verify_curve.py's JSON."""
+    obj = json.loads(Path(path).read_text())
+    out: dict[int, dict[float, float]] = {}
+    for p in obj["points"]:
+        out.setdefault(int(p["batch"]), {})[float(1 + p["depth"])] = p["verify_ms"] / 1e3
+    return out
+
+
+def overheads_from_traces(traces: list[str], verify: dict | None) -> tuple[dict[str, float], str]:
+    """Drafter answer host time beyond forwards (fitted per step and row) and, with a target verify curve,
+    the proposer's and the transport's share of the drafter-seen verification (mean per step)."""
+    answer, extra = [], []
+    probe = CostModel(verify, StepCostModel(0.0, 0.0), {}, {}) if verify else None
+    for path in traces:
+        _, steps = read_trace(path)
+        prev = None
+        for s in steps:
+            if "answer_s" in s:
+                fwd = sum(f[3] for f in s.get("fwd", []) if f[0] == "now")
+                answer.append((len(s["rows"]), s["answer_s"] - fwd))
+            if probe is not None and prev is not None and s.get("verify_s", 0) > 0:
+                tpr = sum(1 + r.get("served", 0) for r in prev["rows"]) / max(1, len(prev["rows"]))
+                extra.append(s["verify_s"] - probe.verify_s(len(prev["rows"]), tpr))
+            prev = s
+    out: dict[str, float] = {}
+    if answer:
+        fit = StepCostModel.fit([(b, max(0.0, s)) for b, s in answer])
+        out["drafter_step_s"], out["drafter_row_s"] = fit.fixed_s, fit.per_row_s
+    if extra:
+        out["proposer_step_s"] = max(0.0, statistics.mean(extra))
+    return out, f"measured in {len(traces)} trace(s): " + ", ".join(Path(t).name for t in traces)
+
+
+def jitter_from_traces(traces: list[str], cost: CostModel) -> dict[str, list[float]]:
+    """The spread of real runs around the model: each traced verification (as the drafter saw it) over the
+    model's verification plus proposer overhead, each traced draft forward over the model's forward. Their
+    mean also carries the load of the machine during the runs into the model."""
+    verify, forward = [], []
+    for path in traces:
+        _, steps = read_trace(path)
+        prev = None
+        for s in steps:
+            for f in s.get("fwd", []):
+                forward.append(f[3] / max(cost.forward_s(f[1], f[2]), 1e-9))
+            if prev is not None and s.get("verify_s", 0) > 0 and prev["rows"]:
+                b = len(prev["rows"])
+                tpr = sum(1 + r.get("served", 0) for r in prev["rows"]) / b
+                verify.append(s["verify_s"] / (cost.verify_s(b, tpr) + cost.overhead("proposer", b)))
+            prev = s
+    return {k: v for k, v in (("target_verify", verify), ("draft_forward", forward)) if v}
+
+
+def calibrate(out: str, draft: str | None = None, verify_curve: str | None = None, traces: list[str] = (),
+              rows: list[int] = (1, 2, 4, 8, 16, 32), name: str | None = None, core: int | None = None) -> CostModel:
+    """Build the cost model from what is given (see the module doc) and write it to `out`."""
+    if not draft and not traces:
+        raise ValueError("calibrate needs --draft (to time the draft forward) or --from-trace")
+    sources: dict[str, str] = {}
+    if draft:
+        fit, points = measure_draft(draft, list(rows), core=core)
+        sources["draft_forward"] = (f"measured here: {Path(draft).name}, forked branches at prefix 256, rows "
+                                    + ", ".join(f"{p['rows']}: {1e3 * p['s']:.2f} ms" for p in points))
+    base = from_trace(*read_trace(traces[0])) if traces else None
+    if not draft:
+        fit, sources["draft_forward"] = base.draft, base.sources["draft_forward"]
+    if verify_curve:
+        verify = verify_from_curve(verify_curve)
+        sources["target_verify"] = f"benchmarks/verify_curve.py: {Path(verify_curve).name}"
+    elif base is not None:  # pooled over every trace: the verification as the drafters saw it
+        sums: dict = {}
+        for path in traces:
+            verify_samples(read_trace(path)[1], sums)
+        verify = mean_curve(sums)
+        sources["target_verify"] = (f"measured in {len(traces)} trace(s): the drafter's verify_s (target + "
+                                    "proposer + transport), mean per batch and tokens per row")
+    else:
+        raise ValueError("calibrate needs --verify-curve or --from-trace for the target's verification")
+    overheads: dict[str, float] = {}
+    if traces:
+        overheads, src = overheads_from_traces(list(traces), verify if verify_curve else None)
+        sources.update(dict.fromkeys(overheads, src))
+    cost = CostModel(verify, fit, overheads, sources, name or "calibrated on this machine")
+    if traces:
+        cost.jitter = jitter_from_traces(list(traces), cost)
+        sources.update({f"jitter.{k}": f"measured in the traces over this model ({len(v)} samples)"
+                        for k, v in cost.jitter.items()})
+    cost.save(out)
+    logger.info("cost model written to %s", out)
+    return cost

@@ -1,0 +1,170 @@
+"""The cost model a replay runs under: what the target's verification, a draft forward and the host work
+around them cost, each number with the source it came from (a measurement on this machine, a public figure,
+an assumption). Loaded from and written to JSON (docs/projection.md has the schema).
+
+The verification is a table (batch, tokens per row) -> seconds, interpolated piecewise linearly in tokens
+per row and in batch (extrapolated from the nearest two points); a draft forward is the drafter's own
+linear model (`predictor.StepCostModel`: fixed + per token fed + per logit row).
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+from pathlib import Path
+
+from saguaro_vllm.drafter.predictor import StepCostModel
+
+SCHEMA = 1
+#: Host overheads of the cost model (seconds), each {"value": ..., "source": ...}; missing ones count as 0.
+OVERHEADS = {
+    "proposer_step_s": "Saguaro engines: per step, the proposer's packing, both messages and its reading of the "
+                       "answer, on top of the target's verification (what the drafter's verify_s adds)",
+    "proposer_row_s": "the same per row",
+    "drafter_step_s": "per step, the drafter's answer host time beyond its draft forwards",
+    "drafter_row_s": "the same per row",
+    "predraft_step_s": "per round, the pre-draft's host time before its first branch step beyond the glue forward",
+    "vllm_draft_model_step_s": "vLLM draft_model: per step, host time of its in-process drafting beyond the forwards",
+}
+
+
+#: Times that may carry a measured spread (`CostModel.jitter`).
+JITTER = ("target_verify", "draft_forward")
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise linear through (xs, ys) (xs ascending), extrapolated from the nearest two points."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y0
+
+
+@dataclasses.dataclass
+class CostModel:
+    #: (batch, tokens per row) -> seconds of one verification step of the target (vLLM's step, no drafter)
+    verify: dict[int, dict[float, float]]
+    draft: StepCostModel
+    overheads: dict[str, float]
+    sources: dict[str, str]
+    name: str = "cost model"
+    #: optional measured spread: "target_verify" / "draft_forward" -> factors (measured / modelled) that a
+    #: replay draws from per verification / forward; none: every time is its model's mean
+    jitter: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    # ---- costs -------------------------------------------------------------------------------------
+    def verify_s(self, batch: int, tokens_per_row: float) -> float:
+        """Seconds of the target's verification of `batch` rows of `tokens_per_row` tokens (1 + drafts)."""
+        batches = sorted(self.verify)
+        at = []
+        for b in batches:
+            curve = self.verify[b]
+            xs = sorted(curve)
+            at.append(_interp(xs, [curve[x] for x in xs], tokens_per_row))
+        return max(1e-6, _interp([float(b) for b in batches], at, float(batch)))
+
+    def forward_s(self, tokens: int, logits: int) -> float:
+        return self.draft.forward_s(tokens, logits)
+
+    def mean_factor(self, kind: str) -> float:
+        """The mean of a measured spread (1 without one): what a sum of many such times is scaled by."""
+        factors = self.jitter.get(kind)
+        return sum(factors) / len(factors) if factors else 1.0
+
+    def overhead(self, name: str, batch: int = 0) -> float:
+        """Step overhead `name` ("proposer", "drafter", ...): per-step value + per-row value x batch."""
+        return self.overheads.get(f"{name}_step_s", 0.0) + batch * self.overheads.get(f"{name}_row_s", 0.0)
+
+    # ---- JSON ----------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "schema": SCHEMA, "name": self.name,
+            "target_verify": {"source": self.sources.get("target_verify", ""),
+                              "points": [{"batch": b, "tokens_per_row": t, "s": s}
+                                         for b in sorted(self.verify) for t, s in sorted(self.verify[b].items())]},
+            "draft_forward": {"source": self.sources.get("draft_forward", ""), "fixed_s": self.draft.fixed_s,
+                              "per_token_s": self.draft.per_row_s, "per_logit_s": self.draft.per_logit_s},
+            "overheads": {k: {"value": v, "source": self.sources.get(k, "")} for k, v in self.overheads.items()},
+            "jitter": {k: {"factors": [round(f, 4) for f in v], "source": self.sources.get(f"jitter.{k}", "")}
+                       for k, v in self.jitter.items()},
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict) -> CostModel:
+        """Parse and check a cost model; every number must say where it came from."""
+        if obj.get("schema") != SCHEMA:
+            raise ValueError(f"cost model schema {obj.get('schema')!r}, expected {SCHEMA}")
+        sources: dict[str, str] = {}
+        verify: dict[int, dict[float, float]] = {}
+        tv, df = obj["target_verify"], obj["draft_forward"]
+        for name, block in (("target_verify", tv), ("draft_forward", df)):
+            if not block.get("source"):
+                raise ValueError(f"cost model: {name} has no source")
+            sources[name] = block["source"]
+        for p in tv["points"]:
+            verify.setdefault(int(p["batch"]), {})[float(p["tokens_per_row"])] = float(p["s"])
+        if not verify:
+            raise ValueError("cost model: target_verify has no points")
+        overheads = {}
+        for key, item in obj.get("overheads", {}).items():
+            if key not in OVERHEADS:
+                raise ValueError(f"cost model: unknown overhead {key!r}; known: {', '.join(OVERHEADS)}")
+            if not item.get("source"):
+                raise ValueError(f"cost model: overhead {key} has no source")
+            overheads[key], sources[key] = float(item["value"]), item["source"]
+        jitter = {}
+        for key, item in obj.get("jitter", {}).items():
+            if key not in JITTER or not item.get("source") or not item.get("factors"):
+                raise ValueError(f"cost model: jitter {key!r} needs factors and a source (keys: {', '.join(JITTER)})")
+            jitter[key], sources[f"jitter.{key}"] = [float(f) for f in item["factors"]], item["source"]
+        draft = StepCostModel(float(df["fixed_s"]), float(df["per_token_s"]), float(df.get("per_logit_s", 0.0)))
+        return cls(verify, draft, overheads, sources, obj.get("name", "cost model"), jitter)
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def verify_samples(steps: list[dict], into: dict | None = None) -> dict[tuple[int, float], list[float]]:
+    """The drafter-seen verification times of a trace by (batch, tokens per row sent, rounded)."""
+    sums = {} if into is None else into
+    prev = None
+    for s in steps:
+        if prev is not None and s.get("verify_s", 0) > 0 and prev["rows"]:
+            tpr = round(sum(1 + r.get("served", 0) for r in prev["rows"]) / len(prev["rows"]))
+            sums.setdefault((len(prev["rows"]), float(tpr)), []).append(s["verify_s"])
+        prev = s
+    return sums
+
+
+def mean_curve(sums: dict[tuple[int, float], list[float]]) -> dict[int, dict[float, float]]:
+    verify: dict[int, dict[float, float]] = {}
+    for (b, t), v in sums.items():
+        verify.setdefault(b, {})[t] = sum(v) / len(v)  # the mean: throughput is a mean
+    return verify
+
+
+def from_trace(header: dict, steps: list[dict], name: str = "fitted from the trace") -> CostModel:
+    """The cost model a trace itself measured: the draft forward fitted to its forwards, the verification
+    (as the drafter saw it: target + proposer + transport) by batch and tokens per row sent, the answer's host
+    time beyond its forwards. Sources say so; the proposer overhead is folded into the verification."""
+    forwards = [(f[1], f[2], f[3]) for s in steps for f in s.get("fwd", [])]
+    draft = StepCostModel.fit_forwards(forwards) if len(forwards) >= 3 else StepCostModel(0.0, 0.0)
+    sums = verify_samples(steps)
+    verify = mean_curve(sums)
+    host = [s["answer_s"] - sum(f[3] for f in s.get("fwd", []) if f[0] == "now") for s in steps if "answer_s" in s]
+    src = f"measured in trace ({header.get('mode')}, {len(steps)} steps)"
+    jitter = {"draft_forward": [f[2] / max(draft.forward_s(f[0], f[1]), 1e-9) for f in forwards],
+              "target_verify": [v / verify[b][t] for (b, t), vs in sums.items() for v in vs if verify[b][t] > 0]}
+    jitter = {k: v for k, v in jitter.items() if v}
+    overheads = {"drafter_step_s": max(0.0, sum(host) / len(host)) if host else 0.0}
+    sources = {"target_verify": src + ": the drafter's verify_s (mean per batch and tokens per row)",
+               "draft_forward": src + ": least squares over its forwards", "drafter_step_s": src,
+               "jitter.target_verify": src + ": each verification over its mean",
+               "jitter.draft_forward": src + ": each forward over the fit"}
+    return CostModel(verify or {1: {1.0: 0.0}}, draft, overheads, sources, name, jitter)

@@ -1,0 +1,145 @@
+"""What a trace measured, and the engines projected from its outcomes under a cost model.
+
+- `measured`: tokens per second and cache hit rate of the traced run itself, over its traced steps (from
+  the first request's arrival to the last one's; the prompts' prefill and the last verification are outside).
+- `project_ssd`: `SSDReplay` under a `ModelClock` (the product's policy on the virtual clock).
+- `project_spec` (Saguaro `sync` and vLLM `draft_model`) and `project_ar`: no policy to replay; each step
+  verifies K drafts per row (or none) and commits the trace's neural outcomes (accepted + 1 per row; rows
+  whose live round had no neural drafts draw one from the trace's neural rounds). `sync` pays the
+  proposer's and the drafter's host overheads and K batched draft forwards; `draft_model` pays K draft
+  forwards of the same cost model in the target's process and its own step overhead.
+- `tile`: a trace's steps at another batch size (rows repeated, or the first B kept), so that one trace at
+  batch b projects batch 1-64; repeated rows repeat the same outcomes, which a real batch would not.
+"""
+from __future__ import annotations
+
+import copy
+
+from saguaro_vllm.projection.clocks import ModelClock, TraceClock
+from saguaro_vllm.projection.cost_model import CostModel
+from saguaro_vllm.projection.replay import LOOKED_UP, OutcomePool, ReplayResult, SSDReplay
+
+
+def _summary(engine: str, batch: int, tokens: int, seconds: float, extra: dict | None = None) -> dict:
+    rate = tokens / seconds if seconds > 0 else 0.0
+    return {"engine": engine, "batch": batch, "tokens_per_s": round(rate, 3),
+            "per_seq_tokens_per_s": round(rate / max(1, batch), 3), **(extra or {})}
+
+
+def _ssd_extra(r: ReplayResult) -> dict:
+    by_depth = {str(a): round(r.hits_by_depth[a] / n, 4) for a, n in sorted(r.lookups_by_depth.items()) if n}
+    return {"hit_rate": None if r.hit_rate is None else round(r.hit_rate, 4), "hit_rate_by_depth": by_depth,
+            "budget_chosen": dict(sorted((str(k), v) for k, v in r.budgets.items())),
+            "depth_chosen": dict(sorted((str(k), v) for k, v in r.depths.items())),
+            "scale_chosen": dict(sorted((str(k), v) for k, v in r.scales.items())), "steps": r.steps}
+
+
+def measured(header: dict, steps: list[dict], count_from: int = 0) -> dict:
+    """The traced run's own tokens per second (and hit rate for `async`) over its traced steps from
+    `count_from` on."""
+    steps = steps[count_from:]
+    tokens = sum(r["new"] for s in steps[1:] for r in s["rows"] if r["st"] != "new")
+    seconds = steps[-1]["t"] - steps[0]["t"] if len(steps) > 1 else 0.0
+    batch = round(sum(len(s["rows"]) for s in steps) / max(1, len(steps)))
+    extra: dict = {"steps": len(steps) - 1}
+    if header.get("mode") == "async":
+        looked = [r for s in steps[1:] for r in s["rows"] if r["st"] in LOOKED_UP]
+        extra["hit_rate"] = round(sum(r["st"] == "hit" for r in looked) / len(looked), 4) if looked else None
+    return _summary(f"saguaro-{header.get('mode')}", batch, tokens, seconds, extra)
+
+
+def live_replay(header: dict, steps: list[dict], count_from: int = 0) -> dict:
+    """The replay under the trace's own timings: must equal `measured` (a check of the replay itself)."""
+    r = SSDReplay(header, steps, TraceClock(steps), count_from=count_from).run()
+    return _summary("saguaro-async", round(sum(len(s["rows"]) for s in steps) / len(steps)), r.tokens, r.seconds,
+                    _ssd_extra(r))
+
+
+def segment_starts(steps: list[dict]) -> list[int]:
+    """Indices of the steps where every row is new to the drafter: where a group of requests begins (e.g.
+    a benchmark's warm-up, then its measured group)."""
+    return [i for i, s in enumerate(steps) if s["rows"] and all(r["st"] == "new" for r in s["rows"])]
+
+
+def tile(steps: list[dict], batch: int) -> list[dict]:
+    """The steps with `batch` rows each: row j is the trace's row j mod b, renamed per copy."""
+    out = []
+    for s in steps:
+        b = len(s["rows"])
+        if not b:
+            continue
+        t = copy.copy(s)
+        t["rows"] = []
+        for j in range(batch):
+            r = dict(s["rows"][j % b])
+            r["id"] = f"{r['id']}#{j // b}"
+            t["rows"].append(r)
+        pre = s.get("pre", {})
+        if "rows" in pre:
+            t["pre"] = {**pre, "rows": {f"{rid}#{c}": v for rid, v in pre["rows"].items()
+                                        for c in range((batch + b - 1) // b)}}
+        out.append(t)
+    return out
+
+
+#: Replays averaged when the cost model has a measured spread (each draws its own times).
+REPEATS = 16
+
+
+def project_ssd(header: dict, steps: list[dict], cost: CostModel, seed: int = 0, count_from: int = 0) -> dict:
+    """SSD under the cost model; with a measured spread (`cost.jitter`) the mean of REPEATS replays, each
+    drawing its own times (tokens over seconds summed over all of them), with each one's rate beside it."""
+    opts = header.get("options") or {}
+    total = None
+    rates = []
+    for i in range(REPEATS if cost.jitter else 1):
+        clock = ModelClock(cost, finish_predraft=bool(opts.get("finish_predraft")), seed=seed + i)
+        r = SSDReplay(header, steps, clock, seed + i, count_from=count_from).run()
+        rates.append(round(r.tokens / r.seconds, 3) if r.seconds else 0.0)
+        if total is None:
+            total = r
+        else:
+            total.tokens += r.tokens
+            total.seconds += r.seconds
+            total.steps += r.steps
+            for name in ("hits_by_depth", "lookups_by_depth", "budgets", "depths", "scales"):
+                getattr(total, name).update(getattr(r, name))
+    extra = {**_ssd_extra(total), **({"repeats": rates} if len(rates) > 1 else {})}
+    return _summary("saguaro-async", len(steps[0]["rows"]) if steps else 0, total.tokens, total.seconds, extra)
+
+
+def _neural_tokens(steps: list[dict], k: int, seed: int) -> list[list[int]]:
+    """Per step after the first, per row: accepted + 1 of K neural drafts (the recorded outcome where the
+    live round was neural with K drafts, else one drawn from such rounds)."""
+    pool = OutcomePool(steps, seed)
+    out = []
+    for s in steps[1:]:
+        row_tokens = []
+        for r in s["rows"]:
+            neural = r["st"] in LOOKED_UP + ("drafted",) and r.get("a", -1) >= 0 and not r.get("fast") \
+                and r.get("k") == k
+            a = r["a"] if neural else pool.draw(False, k)[0]
+            row_tokens.append(min(a, k) + 1)
+        out.append(row_tokens)
+    return out
+
+
+def project_spec(engine: str, steps: list[dict], k: int, cost: CostModel, seed: int = 0,
+                 count_from: int = 0) -> dict:
+    """Saguaro `sync` or vLLM `draft_model`: K drafts per row every step, drafted after the verification."""
+    tokens = seconds = 0.0
+    fv, fd = cost.mean_factor("target_verify"), cost.mean_factor("draft_forward")  # sums: the spread's mean
+    for row_tokens in _neural_tokens(steps, k, seed)[count_from:]:
+        b = len(row_tokens)
+        verify = fv * cost.verify_s(b, 1 + k)
+        first = sum(2 if t == k + 1 else 1 for t in row_tokens)  # the bonus (and x_K after a full accept)
+        draft = fd * (cost.forward_s(first, b) + (k - 1) * cost.forward_s(b, b))
+        host = (cost.overhead("proposer", b) + cost.overhead("drafter", b) if engine == "saguaro-sync"
+                else cost.overhead("vllm_draft_model", b))
+        tokens += sum(row_tokens)
+        seconds += verify + draft + host
+    return _summary(engine, len(steps[0]["rows"]) if steps else 0, int(tokens), seconds)
+
+
+def project_ar(batch: int, cost: CostModel) -> dict:
+    return _summary("vllm-ar", batch, batch, cost.mean_factor("target_verify") * cost.verify_s(batch, 1.0))

@@ -1,0 +1,214 @@
+"""The replay trace and the projection (docs/projection.md): a real SSD drafter run (tiny draft model, no
+vLLM engine) records its trace; the recorder is bounded; replaying the trace under the run's own timings
+takes the live run's decisions, hit for hit; the CLI commands run on such a trace."""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from saguaro_vllm.cli import main as cli_main
+from saguaro_vllm.drafter.kv_cache import KVCacheConfig
+from saguaro_vllm.drafter.model.loader import load_draft_model
+from saguaro_vllm.drafter.runner import DraftModelRunner
+from saguaro_vllm.drafter.ssd_drafter import SSDDrafter
+from saguaro_vllm.drafter.sync_drafter import SyncDrafter
+from saguaro_vllm.drafter.trace import WIDTH, TraceRecorder, read_trace
+from saguaro_vllm.projection.clocks import ModelClock, TraceClock
+from saguaro_vllm.projection.cost_model import CostModel, from_trace
+from saguaro_vllm.projection.replay import SSDReplay
+from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def draft_model(tiny_pair):
+    return load_draft_model(tiny_pair[1], dtype=torch.float32, device="cpu")
+
+
+def _outcome(model, context, drafts, rng) -> list[int]:
+    """A target that accepts a random prefix and then usually picks the draft's best other token (a likely
+    hit), sometimes its 2nd-4th best (a hit only with a wider fan-out), sometimes a random token (a miss)."""
+    a = int(rng.integers(0, len(drafts) + 1))
+    runner = DraftModelRunner(model, KVCacheConfig(num_blocks=64, block_size=16))
+    runner.add_request("ref")
+    logits = runner.forward([("ref", context + drafts[:a], 0)])[0, : model.config.vocab_size].clone()
+    if a < len(drafts):
+        logits[drafts[a]] = float("-inf")
+    order = torch.argsort(logits, descending=True).tolist()
+    u = rng.random()
+    bonus = order[0] if u < 0.55 else order[int(rng.integers(1, 4))] if u < 0.8 else int(rng.integers(2, 300))
+    if a < len(drafts) and bonus == drafts[a]:
+        bonus = order[0]
+    return drafts[:a] + [bonus]
+
+
+def record_run(model, drafter, trace_path, rounds=14, seed=0, max_bytes=1 << 30) -> list[list[str]]:
+    """Drive `drafter` like the server loop (answer, pre-draft between requests, cut short at random), with
+    a trace; returns the live status of every step's rows."""
+    rng = np.random.default_rng(seed)
+    drafter.trace = TraceRecorder(trace_path, max_bytes, {"mode": "async" if isinstance(drafter, SSDDrafter)
+                                                           else "sync", "k": K,
+                                                           "options": getattr(drafter, "opts", {})})
+    contexts = {r: list(map(int, rng.integers(2, 300, n))) for r, n in (("a", 23), ("b", 5), ("c", 40))}
+    sent = dict.fromkeys(contexts, 0)
+    statuses = []
+    for step in range(1, rounds + 1):
+        rows = []
+        for rid, ctx in contexts.items():
+            rows.append(RowUpdate(rid, sent[rid], ctx[sent[rid]:], K, SamplingSpec() if sent[rid] == 0 else None))
+            sent[rid] = len(ctx)
+        resp = drafter.step(StepRequest(step, rows, [], sent_at=time.monotonic()))
+        drafter.answered()
+        for _ in range(int(rng.integers(0, 12))):  # the next request comes after a random share of the pre-draft
+            drafter.advance()
+        statuses.append(list(resp.row_status))
+        for row, drafts in zip(rows, resp.drafts):
+            ctx = contexts[row.req_id]
+            contexts[row.req_id] = ctx + (_outcome(model, ctx, drafts, rng) if drafts else [int(rng.integers(2, 300))])
+    drafter.trace.close()
+    return statuses
+
+
+@pytest.fixture(scope="module")
+def ssd_trace(draft_model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("trace") / "ssd.jsonl.gz"
+    runner = DraftModelRunner(draft_model, KVCacheConfig(num_blocks=256, block_size=16))
+    drafter = SSDDrafter(runner, vocab_size=draft_model.config.vocab_size, options={})
+    statuses = record_run(draft_model, drafter, path)
+    return path, statuses
+
+
+def test_trace_records_outcomes_candidates_and_times(ssd_trace):
+    path, statuses = ssd_trace
+    header, steps = read_trace(path)
+    assert header["mode"] == "async" and header["k"] == K and header["width"] == WIDTH
+    assert len(steps) == len(statuses)
+    assert [[r["st"] for r in s["rows"]] for s in steps] == statuses
+    looked_up = [r for s in steps for r in s["rows"] if r["st"] in ("hit", "jit", "ngram")]
+    assert looked_up and all(0 <= r["a"] <= r["k"] and r["t"] >= 0 for r in looked_up if r["a"] >= 0)
+    glued = [s for s in steps if "cand" in next(iter(s.get("pre", {}).get("rows", {}).values()), {})]
+    assert glued, "no pre-draft recorded its candidates"
+    for s in glued:
+        for row in s["pre"]["rows"].values():
+            assert len(row["cand"]) == len(row["p"]) and all(len(c) == WIDTH for c in row["cand"])
+            assert all(p == sorted(p, reverse=True) for p in row["p"])  # the predictor's order: best first
+    phases = {f[0] for s in steps for f in s["fwd"]}
+    assert {"glue", "now"} <= phases and all(f[3] > 0 for s in steps for f in s["fwd"])
+    assert all(s["answer_s"] > 0 for s in steps) and any(s["verify_s"] > 0 for s in steps[1:])
+
+
+def test_trace_is_bounded(draft_model, tmp_path):
+    runner = DraftModelRunner(draft_model, KVCacheConfig(num_blocks=256, block_size=16))
+    drafter = SSDDrafter(runner, vocab_size=draft_model.config.vocab_size, options={"fanout_budget": 4})
+    path = tmp_path / "small.jsonl.gz"
+    record_run(draft_model, drafter, path, rounds=30, max_bytes=6000)
+    assert drafter.trace.full
+    assert path.stat().st_size < 6000 + 70000  # the bound plus at most one flushed block of the compressor
+    header, steps = read_trace(path)  # what was written before the bound is readable
+    assert header["k"] == K and 0 < len(steps) < 30
+
+
+def test_tracing_off_by_default(draft_model):
+    runner = DraftModelRunner(draft_model, KVCacheConfig(num_blocks=64, block_size=16))
+    assert SSDDrafter(runner, vocab_size=draft_model.config.vocab_size, options={}).trace is None
+    assert TraceRecorder.open({"trace_dir": None}, {}) is None
+
+
+def test_replay_under_the_live_timings_gives_the_live_hits(ssd_trace):
+    """The issue's acceptance test: the replay of a recorded trace through the product's policy code, fed
+    the run's own timings, hits and misses exactly where the live drafter did, row by row."""
+    path, statuses = ssd_trace
+    header, steps = read_trace(path)
+    result = SSDReplay(header, steps, TraceClock(steps)).run()
+    replayed = [s["status"] for s in result.per_step]
+    assert replayed == statuses
+    flat = [x for row in statuses for x in row]
+    assert flat.count("hit") >= 3 and flat.count("jit") + flat.count("ngram") >= 3, flat  # both occurred
+    plans = [s["plan"] for s in result.per_step if s["plan"]]
+    live_plans = [s["pre"]["plan"] + [s["pre"]["pays"]] for s in steps if "plan" in s.get("pre", {})]
+    assert plans == live_plans
+
+
+def test_replay_under_a_cost_model_runs_the_policy(ssd_trace):
+    """Under the cost model fitted from the same trace (its JSON round trip included) the replay runs the
+    policy on the virtual clock: every step after the first is timed and counted."""
+    path, _ = ssd_trace
+    header, steps = read_trace(path)
+    cost = from_trace(header, steps)
+    again = CostModel.from_json(json.loads(json.dumps(cost.to_json())))
+    assert again.verify_s(3, 5.0) == pytest.approx(cost.verify_s(3, 5.0))
+    result = SSDReplay(header, steps, ModelClock(cost)).run()
+    assert result.steps == len(steps) - 1 and result.seconds > 0 and result.tokens > 0
+    assert result.hit_rate is not None and sum(result.budgets.values()) > 0
+    assert all(s["verify_s"] > 0 for s in result.per_step[1:])
+
+
+def test_replay_follows_the_cost_model(ssd_trace):
+    """The same trace under GPU-like costs (a draft forward nearly free of its rows): the planner fills its
+    largest budget (32 branches) and the cache hits more than on this machine; with the recorded times
+    shrunk, the replay no longer repeats the live decisions (the test above can fail)."""
+    from saguaro_vllm.drafter.predictor import StepCostModel
+
+    path, statuses = ssd_trace
+    header, steps = read_trace(path)
+    gpu = CostModel({1: {1.0: 0.05, 6.0: 0.052}, 64: {1.0: 0.06, 6.0: 0.08}}, StepCostModel(2e-3, 1e-6), {},
+                    {}, "gpu-like")
+    result = SSDReplay(header, steps, ModelClock(gpu)).run()
+    live = SSDReplay(header, steps, TraceClock(steps)).run()
+    assert result.budgets.most_common(1)[0][0] == 32
+    assert result.hit_rate > live.hit_rate
+    shrunk = [{**s, "verify_s": 0.2 * s.get("verify_s", 0.0)} for s in steps]
+    assert [s["status"] for s in SSDReplay(header, shrunk, TraceClock(shrunk)).run().per_step] != statuses
+
+
+def test_sync_trace_records_accepted_counts(draft_model, tmp_path):
+    runner = DraftModelRunner(draft_model, KVCacheConfig(num_blocks=256, block_size=16))
+    drafter = SyncDrafter(runner, vocab_size=draft_model.config.vocab_size)
+    path = tmp_path / "sync.jsonl.gz"
+    record_run(draft_model, drafter, path, rounds=6)
+    header, steps = read_trace(path)
+    rows = [r for s in steps[1:] for r in s["rows"]]
+    assert header["mode"] == "sync" and all(0 <= r["a"] <= K for r in rows)
+    assert all(r["served"] == K for s in steps for r in s["rows"])
+    assert any(r["a"] < K for r in rows)
+
+
+def test_cli_project_and_calibrate_from_trace(ssd_trace, tmp_path):
+    path, _ = ssd_trace
+    cost_path = tmp_path / "cost.json"
+    assert cli_main(["calibrate", "--from-trace", str(path), "--out", str(cost_path)]) == 0
+    cost = json.loads(cost_path.read_text())
+    assert cost["draft_forward"]["source"] and cost["target_verify"]["points"]
+    out = tmp_path / "proj"
+    assert cli_main(["project", str(path), "--cost-model", str(cost_path), "--out", str(out),
+                     "--batch-sizes", "1,4"]) == 0
+    report = json.loads((out / "projection.json").read_text())["runs"][0]
+    assert {p["batch"] for p in report["projected"]} == {1, 4}
+    engines = {e["engine"] for e in report["projected"]}
+    assert {"vllm-ar", "vllm-draft_model", "saguaro-sync", "saguaro-async"} <= engines
+    assert report["measured"]["tokens_per_s"] > 0
+    live = report["live_replay"]
+    assert live["hit_rate"] == pytest.approx(report["measured"]["hit_rate"])
+
+
+def test_cost_model_needs_sources_and_interpolates():
+    obj = {"schema": 1, "target_verify": {"source": "measured", "points": [
+        {"batch": 1, "tokens_per_row": 1, "s": 0.10}, {"batch": 1, "tokens_per_row": 6, "s": 0.15},
+        {"batch": 4, "tokens_per_row": 1, "s": 0.12}, {"batch": 4, "tokens_per_row": 6, "s": 0.30}]},
+        "draft_forward": {"source": "measured", "fixed_s": 0.01, "per_token_s": 0.002},
+        "overheads": {"proposer_step_s": {"value": 0.003, "source": "measured"}}}
+    cost = CostModel.from_json(obj)
+    assert cost.verify_s(1, 3.5) == pytest.approx(0.125)
+    assert cost.verify_s(2, 1.0) == pytest.approx(0.10 + 0.02 / 3)  # between the batches
+    assert cost.verify_s(4, 11.0) == pytest.approx(0.48)  # extrapolated along the last segment
+    assert cost.forward_s(3, 3) == pytest.approx(0.016) and cost.overhead("proposer", 8) == 0.003
+    for broken in ({**obj, "draft_forward": {**obj["draft_forward"], "source": ""}},
+                   {**obj, "overheads": {"proposer_step_s": {"value": 0.003}}},
+                   {**obj, "overheads": {"made_up_s": {"value": 1, "source": "x"}}}):
+        with pytest.raises(ValueError):
+            CostModel.from_json(broken)
