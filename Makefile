@@ -17,7 +17,9 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not engine"
 
 # Every case of benchmarks/cases.json, the depth ceiling, the verification curve, every engine at real
-# vocabularies and the drafter's host overhead (about 4.5 hours on 2 cores), then docs/benchmarks.md and plots.
+# vocabularies, the drafter's host overhead, every engine under `vllm bench serve` (concurrency 1-64, two
+# datasets, T=0 and 0.7) and the GPU projection (traces, validation, cost models; several more hours on 2 cores),
+# then docs/benchmarks.md and plots.
 BENCH_CASES ?= cost-matrix temperature per-row-backup batch-sweep-32-64 cost-equal-cores raw-b1 sweep-scale sweep-scale-top-f1 finish-predraft
 bench: setup
 	for c in $(BENCH_CASES); do $(PY) benchmarks/run.py --case $$c || exit 1; done
@@ -27,6 +29,11 @@ bench: setup
 		--engines vllm-ar,vllm-draft_model,saguaro-sync,saguaro-async --max-tokens 96 --max-num-seqs 1024 --label real-vocab
 	$(PY) benchmarks/bench_host_overhead.py --label greedy
 	$(PY) benchmarks/bench_host_overhead.py --batches 1,16 --budgets 0,8 --temperatures 1 --rounds 4 --label sampled-128k
+	$(PY) benchmarks/bench_serve.py --label matrix
+	$(PY) benchmarks/validate_projection.py --batch-sizes 1 --temperatures 0,1.0 --max-tokens 256 \
+		--traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1-256 --name validate-projection-b1-256
+	$(PY) benchmarks/gpu_cost_models.py
+	$(PY) benchmarks/project_gpu.py --traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1-256
 	$(PY) benchmarks/report.py
 
 clean:

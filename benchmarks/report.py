@@ -9,6 +9,7 @@ is computed from the results, including the check against the bars of the benchm
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -293,10 +294,15 @@ def soak_section(data: dict) -> list[str]:
            f"- command: `{data['command']}` (result `benchmarks/results/{data['_file']}`)",
            f"- {st['clients']} concurrent streaming clients for {st['duration_s']:g} s against `vllm serve` on "
            f"127.0.0.1, Saguaro `mode: async`, K={st['k']}; models: {data['models']} (`{data['target']}` / "
-           f"`{data['draft']}`); temperatures {list(st['temperatures'])}, max_tokens {list(st['lengths'])}, stop "
+           f"`{data['draft']}`); temperatures {list(st['temperatures'])} (drawn per request"
+           + (f": {100 * st['greedy_share']:.0f} % greedy" if st.get("greedy_share") is not None else "")
+           + f"), max_tokens {list(st['lengths'])}, stop "
            "by length (ignore_eos), EOS, stop strings or stop token ids; a quarter of the requests are chats",
            f"- machine: {data['machine']['cpu']}, {data['machine']['cpus']} cores; load average "
-           f"{load['loadavg_before'][0]:.1f} before, {load['loadavg_after'][0]:.1f} after",
+           f"{load['loadavg_before'][0]:.1f} before, "
+           + (f"{load['loadavg_1min_during']['mean']:.1f} on average during the run (max "
+              f"{load['loadavg_1min_during']['max']:.1f}), " if load.get("loadavg_1min_during") else "")
+           + f"{load['loadavg_after'][0]:.1f} after",
            "", "| requests | errors | tokens/s | latency p50 / p99 s | TTFT p50 / p99 s | TPOT p50 / p99 ms |",
            "|---:|---:|---:|---:|---:|---:|",
            f"| {s['requests']} | {data['errors']} | {fmt(s['tokens_per_s'], '.1f')} | "
@@ -317,17 +323,31 @@ def soak_section(data: dict) -> list[str]:
                 + ("**never**" if back is None else f"{back:.1f} s")
                 + (f"; client states: {states}" if states else "")]
     sp = data["speculation"]
+    windows = [f"{label} {fmt(w['hit_rate'], '.3f')} ({w['from_t_s']:.0f}-{w['to_t_s']:.0f} s, {w['lookups']:.0f} "
+               "lookups)" for label, w in (("before the kill", (sp.get("hit_rate_windows") or {}).get("before_kill")),
+                                           ("after the replacement's drafts flowed",
+                                            (sp.get("hit_rate_windows") or {}).get("after_recovery"))) if w]
     out += [f"- speculation over the run: acceptance rate {fmt(sp['acceptance_rate'])}, mean acceptance length "
-            f"{fmt(sp['mean_acceptance_length'])}, speculation-cache hit rate {fmt(sp['cache_hit_rate'], '.3f')}",
+            f"{fmt(sp['mean_acceptance_length'])}, speculation-cache hit rate {fmt(sp['cache_hit_rate'], '.3f')}"
+            + (f"; {', '.join(windows)}" if windows else ""),
             f"- errors must be 0: {'met' if data['errors'] == 0 else '**not met**'}; resident memory growth < 5 % "
-            f"for every process: {'met' if m['ok'] else '**not met**'}", "",
-            f"| process | RSS MB at {fmt(m['start_t_s'], '.0f')} s | RSS MB at {fmt(m['end_t_s'], '.0f')} s "
-            "| growth |",
-            "|---|---:|---:|---:|"]
+            f"for every process: {'met' if m['ok'] else '**not met**'}"
+            + ("" if m.get("all_drafters_measured", True) else " (a drafter ran too short to be measured)"), "",
+            "| process | measured from - to s | RSS MB at start | RSS MB at end | growth |",
+            "|---|---:|---:|---:|---:|"]
+    drafters = m.get("drafters")
     for role, start in m["start_mb"].items():
+        if role == "drafter" and drafters is not None:
+            continue  # one row per drafter process below
         g = m["growth"].get(role)
-        out.append(f"| {role} | {start:.0f} | {fmt(m['end_mb'].get(role), '.0f')} | "
-                   f"{fmt(None if g is None else 100 * g, '+.1f')} % |")
+        out.append(f"| {role} | {fmt(m['start_t_s'], '.0f')} - {fmt(m['end_t_s'], '.0f')} | {start:.0f} | "
+                   f"{fmt(m['end_mb'].get(role), '.0f')} | {'-' if g is None else f'{100 * g:+.1f} %'} |")
+    for d in drafters or []:
+        span = ("not measured (ran too short)" if d["from_t_s"] is None
+                else f"{d['from_t_s']:.0f} - {d['to_t_s']:.0f}")
+        g = d["growth"]
+        out.append(f"| drafter, {d['which']} (pid {d['pid']}) | {span} | {fmt(d['start_mb'], '.1f')} | "
+                   f"{fmt(d['end_mb'], '.1f')} | {'-' if g is None else f'{100 * g:+.1f} %'} |")
     jumps = m.get("kill_jumps") or []
     if jumps:
         out += [""] + [f"- memory across the kill at {j['at_s']:.0f} s (sample at {j['from_t_s']:.0f} s to "
@@ -337,12 +357,169 @@ def soak_section(data: dict) -> list[str]:
     out += ["", f"Growth is measured from the first sample {fmt(st.get('warmup_s'), '.0f')} s into the run: vLLM's "
             "CPU target worker creates one oneDNN primitive per new batch shape while traffic is young, so its RSS "
             "climbs for the first minutes and then levels (docs/troubleshooting.md, Memory). "
-            "The drafter row compares the first drafter (start) with the last replacement (end). "
+            + ("Each drafter process is measured over its own life: the first from the warm-up to its last sample "
+               "before the kill, a replacement from its first sample "
+               f"{fmt(st.get('drafter_settle_s'), '.0f')} s after it was ready (it builds its oneDNN shapes and "
+               "writes its KV cache before it reports ready). " if drafters is not None else
+               "The drafter row compares the first drafter (start) with the last replacement (end). ")
             + (f"Other processes used {others:.0f} CPU-seconds of the {data['machine']['cpus']} cores during "
                f"the run (about {others / max(data['traffic_s'] + data['drain_s'], 1):.1f} cores on average): "
                "the figures are from a shared machine." if others > 5 else
                "No other process used the cores noticeably during the run."), ""]
     return out
+
+
+TROUBLESHOOTING = ROOT / "docs" / "troubleshooting.md"
+SOAK_BEGIN = ("<!-- soak:begin (generated by benchmarks/report.py from the newest benchmarks/results/*-soak.json; "
+              "edits here are overwritten) -->")
+SOAK_END = "<!-- soak:end -->"
+ROLE_NAMES = {"server": "API server", "engine core": "engine core", "worker": "worker", "other": "other"}
+
+
+def soak_memory_block(data: dict) -> list[str]:
+    """The soak's memory figures for docs/troubleshooting.md (Memory), from the result the benchmarks page shows:
+    written between SOAK_BEGIN and SOAK_END by `sync_troubleshooting`, so the page cannot drift from the data."""
+    st, m, sp = data["settings"], data["memory"], data["speculation"]
+    kills = data.get("kills") or ([data["kill"]] if data.get("kill") else [])
+    pct = lambda g: "-" if g is None else f"{100 * g:+.1f} %"  # noqa: E731
+    greedy = f", {100 * st['greedy_share']:.0f} % greedy" if st.get("greedy_share") is not None else ""
+    kill_text = "; ".join(f"drafter SIGKILL at {k['at_s']:.0f} s, drafts flowing again after "
+                          + ("never" if k["recovered_after_s"] is None else f"{k['recovered_after_s']:.1f} s")
+                          for k in kills) or "no drafter kill"
+    roles = [f"{ROLE_NAMES.get(role, role)} {pct(m['growth'].get(role))} ({start:.0f} -> "
+             f"{fmt(m['end_mb'].get(role), '.0f')} MB)" for role, start in m["start_mb"].items() if role != "drafter"]
+    drafters = []
+    for d in m.get("drafters") or []:
+        if d["growth"] is None:
+            drafters.append(f"{d['which']} (pid {d['pid']}) not measured (alive {d['alive_t_s'][0]:.0f}-"
+                            f"{d['alive_t_s'][1]:.0f} s, too short after its settle time)")
+        else:
+            drafters.append(f"{d['which']} (pid {d['pid']}) {pct(d['growth'])} ({d['start_mb']:.1f} -> "
+                            f"{d['end_mb']:.1f} MB, {d['from_t_s']:.0f}-{d['to_t_s']:.0f} s)")
+    if not m.get("drafters"):
+        drafters.append("not measured per process in this result (" + (m.get("notes", {}).get("drafter")
+                                                                       or "no note") + ")")
+    jumps = "; ".join(f"across the kill at {j['at_s']:.0f} s: " + ", ".join(
+        f"{ROLE_NAMES.get(role, role)} {mb:+.0f} MB" for role, mb in j["mb"].items() if role != "other")
+        for j in m.get("kill_jumps") or [])
+    return [SOAK_BEGIN,
+            f"- **In the soak** ([benchmarks.md](benchmarks.md#soak-{data['date'][:10]}), "
+            f"`benchmarks/results/{data['_file']}`: {st['clients']} clients for {st['duration_s']:g} s{greedy}, "
+            f"models: {data['models']}; speculation-cache hit rate {fmt(sp.get('cache_hit_rate'), '.3f')}; "
+            + (f"1-minute load average {data['load']['loadavg_1min_during']['mean']:.1f} on "
+               f"{data['machine']['cpus']} cores during the run; " if data["load"].get("loadavg_1min_during") else "")
+            + f"{kill_text}): resident memory growth from the sample {fmt(m['start_t_s'], '.0f')} s into the run to "
+            f"the end ({fmt(m['end_t_s'], '.0f')} s): " + ", ".join(roles) + "; the drafters, each over its own "
+            "life: " + "; ".join(drafters) + "." + (f" Memory {jumps}." if jumps else "")
+            + f" Growth under 5 % for every process: {'met' if m['ok'] else 'not met'}.",
+            SOAK_END]
+
+
+def sync_troubleshooting(data: dict, path: Path = TROUBLESHOOTING) -> bool:
+    """Rewrite the generated soak block of docs/troubleshooting.md; False (page untouched) without markers."""
+    text = path.read_text()
+    if SOAK_BEGIN not in text or SOAK_END not in text:
+        return False
+    head, rest = text.split(SOAK_BEGIN, 1)
+    _, tail = rest.split(SOAK_END, 1)
+    path.write_text(head + "\n".join(soak_memory_block(data)) + tail)
+    return True
+
+
+def load_serve() -> dict | None:
+    """The newest result of `benchmarks/bench_serve.py` (`*-serve-<label>.json`; labels `smoke*` skipped)."""
+    found = [json.loads(p.read_text()) | {"_file": p.name} for p in sorted(RESULTS.glob("*-serve-*.json"))]
+    found = [d for d in found if d.get("kind") == "serve" and not d.get("label", "").startswith("smoke")]
+    return max(found, key=lambda d: d["date"]) if found else None
+
+
+SERVE_DATASETS = {"random": "`random` ({random_input_len} random prompt tokens)",
+                  "corpus": "`corpus` ({corpus_prompts} held-out demo-corpus snippets, vLLM's `custom` JSONL)"}
+
+
+def _serve_cells(data: dict) -> list[tuple[str, float, int, dict]]:
+    """(dataset, temperature, concurrency, {engine: row}) in the order of the table."""
+    cells: dict[tuple, dict] = {}
+    for r in data["runs"]:
+        cells.setdefault((r["dataset"], r["temperature"], r["concurrency"]), {})[r["engine"]] = {
+            **r["row"], "load": (r.get("load_avg_1m") or [None])[0]}
+    return [(d, t, c, rows) for (d, t, c), rows in sorted(cells.items())]
+
+
+def serve_section(data: dict) -> list[str]:
+    """`vllm bench serve` figures per dataset, temperature, concurrency and engine, and the TPOT plot."""
+    m, st = data["machine"], data["settings"]
+    out = [f"## Serving: `vllm bench serve` ({data['date'][:10]})", "",
+           f"`benchmarks/bench_serve.py` ({data['_file']}; vLLM's own result JSON of every run in "
+           f"`{data['result_dir']}/`): each engine a `vllm serve` of `{data['target']}` (draft `{data['draft']}`), "
+           f"driven by vLLM's benchmark client at max concurrency {', '.join(map(str, st['concurrency']))} "
+           f"(requests per run: {', '.join(f'{n} at {c}' for c, n in st['requests'].items())}; all sent at once), "
+           f"{st['output_len']} output tokens per request (ignore_eos), K={st['k']}, client `{st.get('client', 'cli')}`. "
+           f"Datasets: " + "; ".join(SERVE_DATASETS[d].format(**st) for d in st["datasets"]) + ". "
+           f"Placement `{data['placement']['mode']}` ({data['placement']['rule']}). Machine: "
+           f"{m['cpu']}, {m['cpus']} cores; load average {data['load_avg']['start'][0]:.1f} at the start, "
+           f"{data['load_avg']['end'][0]:.1f} at the end. {data.get('note') or ''}", "",
+           f"- command: `{data['command']}` ({data['runtime_s'] / 60:.0f} min)",
+           "- TTFT, TPOT (per request, excluding the first token), ITL (between streamed chunks: a chunk carries "
+           "every token of a verification) in ms, p50 / p99; output tok/s over the run; acceptance from the "
+           "server's spec-decode counters (vLLM's result JSON); hit rate: SSD's speculation cache, from "
+           "`/metrics`; load: the machine's 1-minute load average when the run started (other jobs included).", "",
+           "| dataset | T | concurrency | engine | TTFT ms | TPOT ms | ITL ms | output tok/s | vs AR | accept rate "
+           "| accept len | hit rate | load |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def pair(row, metric):
+        return f"{fmt(row.get(f'p50_{metric}_ms'), '.0f')} / {fmt(row.get(f'p99_{metric}_ms'), '.0f')}"
+
+    for dataset, t, c, rows in _serve_cells(data):
+        ar = (rows.get("vllm-ar") or {}).get("output_throughput")
+        for fam in ORDER:
+            row = rows.get(fam)
+            if row is None:
+                continue
+            tput = row.get("output_throughput")
+            out.append(f"| {dataset} | {t:g} | {c} | {LABEL[fam]} | {pair(row, 'ttft')} | {pair(row, 'tpot')} "
+                       f"| {pair(row, 'itl')} | {fmt(tput, '.1f')} | "
+                       f"{fmt(tput / ar if ar and tput else None, '.2f')}{'x' if ar and tput else ''} "
+                       f"| {fmt(row.get('spec_decode_acceptance_rate'))} | {fmt(row.get('spec_decode_acceptance_length'))} "
+                       f"| {fmt(row.get('hit_rate'), '.3f')} | {fmt(row.get('load'), '.1f')} |")
+    failed = sum((r["row"].get("failed") or 0) for r in data["runs"])
+    out += ["", f"Failed requests: {failed} of {sum(r['num_prompts'] for r in data['runs'])}.", ""]
+    img = serve_plot(data)
+    return out + [f"![TPOT against concurrency](img/{img})", ""]
+
+
+def serve_plot(data: dict) -> str:
+    """TPOT p50 (solid) and p99 (dashed) against concurrency, one panel per dataset and temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = _serve_cells(data)
+    panels = sorted({(d, t) for d, t, _, _ in cells})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (dataset, t) in zip(axes[0], panels):
+        conc = sorted({c for d, tt, c, _ in cells if (d, tt) == (dataset, t)})
+        for i, fam in enumerate(ORDER):
+            pts = [(c, rows[fam]) for d, tt, c, rows in cells if (d, tt) == (dataset, t) and fam in rows]
+            if not pts:
+                continue
+            color = f"C{i}"
+            ax.plot([c for c, _ in pts], [r.get("p50_tpot_ms") for _, r in pts], marker="o", color=color,
+                    label=LABEL[fam].replace("`", ""))
+            ax.plot([c for c, _ in pts], [r.get("p99_tpot_ms") for _, r in pts], ls="--", lw=0.8, color=color)
+        ax.set(title=f"{dataset}, T={t:g}", xlabel="concurrency", ylabel="TPOT ms (p50; p99 dashed)", xscale="log",
+               yscale="log")
+        ax.minorticks_off()
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    IMG.mkdir(parents=True, exist_ok=True)
+    img = f"{data['name']}-tpot.png"
+    fig.savefig(IMG / img, dpi=110)
+    plt.close(fig)
+    return img
 
 
 def load_transport() -> dict | None:
@@ -568,6 +745,16 @@ def ceiling_section(data: dict) -> list[str]:
     return out + [""]
 
 
+def device_check_lines() -> list[str]:
+    """The GPU check's section: the newest GPU `*-device-check.json`, or that it has not run (device_check.py)."""
+    module = sys.modules.get("device_check")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("device_check", Path(__file__).with_name("device_check.py"))
+        module = sys.modules["device_check"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module.report_lines(RESULTS)
+
+
 def render(results: list[dict]) -> str:
     out = ["# Benchmarks", "",
            "Generated by `benchmarks/report.py` from `benchmarks/results/*.json` (written by "
@@ -597,6 +784,9 @@ def render(results: list[dict]) -> str:
             out += ["Bars of the benchmark issue on this result:", ""] + checks + [""]
         for img, caption in plots(data, rows):
             out += [f"![{caption}](img/{img})", ""]
+    serve = load_serve()
+    if serve is not None:
+        out += serve_section(serve)
     soak = load_latest_soak()
     if soak:
         out += soak_section(soak)
@@ -615,6 +805,11 @@ def render(results: list[dict]) -> str:
     transport = load_transport()
     if transport is not None:
         out += transport_section(transport)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sections beside it
+    import report_projection
+
+    out += report_projection.section()
+    out += device_check_lines()
     out += ["## Custom ops (CPU)", "", "See [ops.md](ops.md) for the ops measured against their plain-torch "
             "references (`benchmarks/bench_ops.py`).", ""]
     return "\n".join(out)
@@ -628,6 +823,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     PAGE.write_text(render(results))
     print(f"wrote {PAGE} from {', '.join(d['_file'] for d in results)}")
+    soak = load_latest_soak()
+    if soak and sync_troubleshooting(soak):
+        print(f"wrote the soak block of {TROUBLESHOOTING} from {soak['_file']}")
     return 0
 
 

@@ -59,6 +59,13 @@ def engine_family(engine: str) -> str:
     return engine.rsplit("-k", 1)[0] if engine.startswith("vllm-draft_model-k") else engine
 
 
+def engine_pin(engine: str, placement: str, target_cores: list[int]) -> list[int] | None:
+    """The cores a whole engine process is confined to (None: unpinned). `split`: vLLM engines on the
+    target's cores; Saguaro engines are never pinned whole (they pin their worker to `target_cores` and the
+    drafter to `draft_cores` themselves). `equal`: nothing pinned."""
+    return target_cores if (engine.startswith("vllm-") and placement == "split") else None
+
+
 def run_one(target: str, spec: dict | None, prompts: list[str], batch: int, temperature: float,
             max_tokens: int, pin: list[int] | None, timeout_s: float) -> dict:
     """One engine in a fresh process; `pin`: the cores the whole engine process is confined to (None: all)."""
@@ -292,8 +299,7 @@ def build_runs(a: argparse.Namespace, draft: str) -> list[dict]:
         variants = [(e, s, None) for e, s in specs.items() if engine_family(e) in wanted]
     runs = []
     for rnd, (b, t), (name, spec, sweep) in itertools.product(range(a.rounds), cases, variants):
-        vllm_engine = name.startswith("vllm-")
-        pin = target_cores if (vllm_engine and a.placement == "split") else None
+        pin = engine_pin(name, a.placement, target_cores)
         runs.append({"engine": name, "round": rnd, "batch": b, "temperature": t, "spec": spec, "pin": pin,
                      **({"sweep": sweep} if sweep else {})})
     return runs

@@ -1,24 +1,36 @@
-"""Soak: many concurrent streaming clients against `vllm serve` with Saguaro (`mode: async`) for minutes, one
+"""Soak: concurrent streaming clients against `vllm serve` with Saguaro (`mode: async`) for minutes, one
 drafter SIGKILL in the middle. Not a unit test: a script that measures and reports.
 
-64 clients (asyncio, the `openai` client) loop over requests with mixed temperatures (0, 0.7, 1.0; some
-with top-p / top-k), lengths (8-256 tokens) and stop conditions (max_tokens with ignore_eos, EOS, stop
-strings, stop token ids; completions and chat). At `--kill-at` the drafter process is SIGKILLed. Reported:
-requests completed, errors (must be 0), tokens/s, p50/p99 latency, time to first token and time per output
-token, how long the drafter took to be back (drafts flowing again), and the resident memory of every process
-of the server's tree (API server, engine core, worker, drafter) after a warm-up and at the end (growth must
-stay under 5 %). Also the CPU time that processes outside the tree used meanwhile (others sharing the cores).
+`--clients` clients (asyncio, the `openai` client; default 4) loop over requests with mixed temperatures
+(`--temperatures`, default 0, 0, 0, 0.7: three in four greedy; sampled ones with top-p / top-k half the
+time), lengths (8-256 tokens) and stop conditions (max_tokens with ignore_eos, EOS, stop strings, stop token
+ids; completions and chat). At `--kill-at` the drafter process is SIGKILLed. Reported: requests completed,
+errors (must be 0), tokens/s, p50/p99 latency, time to first token and time per output token, how long the
+drafter took to be back (drafts flowing again), the speculation-cache hit rate (over the run, before the
+first kill and after the last recovery), and the resident memory of every process of the server's tree (API
+server, engine core, worker, each drafter: the first one and every replacement, each measured over its own
+life) after a warm-up and at the end (growth must stay under 5 %). Also the CPU time that processes outside
+the tree used meanwhile (others sharing the cores; sampled every ~5 s, so processes that exit during the run
+count too) and the 1-minute load average during the run.
+
+The defaults are chosen so that SSD is exercised: on a 2-core CPU the pre-drafted branches pay (and run)
+only at small batches and mostly greedy rows (docs/benchmarks.md: hit rate ~0.9 at T=0 for batch 1-16, ~0
+for sampled batches >= 2, where the drafter skips its branch steps); the 2026-12-04 soak (64 clients, half
+sampled, the raw pair, whose draft costs as much as its 7 ms target step) had a hit rate of 0.001, i.e. it
+soaked `sync`-like serving. That load is still `--clients 64 --temperatures 0,0,0.7,1 --models raw`.
 
 Bounded: clients stop starting requests at `--duration`, in-flight requests get `--drain-s` to finish, then
 the server is stopped. Traffic goes to 127.0.0.1 only. Result: `benchmarks/results/<date>-soak.json`
 (rendered on docs/benchmarks.md by benchmarks/report.py).
 
     .venv/bin/python benchmarks/soak.py --duration 30            # quick check
-    .venv/bin/python benchmarks/soak.py                          # 5 minutes, the figures on the page
+    .venv/bin/python benchmarks/soak.py --kill-at 120 --warmup-s 60   # 5 minutes, the figures on the pages
+    .venv/bin/python benchmarks/soak.py --temperatures 0 --name soak-greedy-reference   # greedy only
     .venv/bin/python benchmarks/soak.py --model T --draft D      # another pair
 
-Model: `--model/--draft`, else the demo pair if it is built (`make demo`), else a tiny random pair built
-like the tests' (tests/tiny_models.py) in a temporary directory.
+Model: `--model/--draft`, else the demo pair if it is built (`make demo`): its cost-matched twins (`--models
+cost`, the default, as in benchmarks/run.py; the raw pair if they are not built) or the raw trained pair
+(`--models raw`); else a tiny random pair built like the tests' (tests/tiny_models.py) in a temporary directory.
 """
 from __future__ import annotations
 
@@ -52,8 +64,8 @@ FAILURES = "vllm:saguaro_drafter_failures_total"
 LOOKUPS = "vllm:saguaro_cache_lookups_total"
 HITS = "vllm:saguaro_cache_hits_total"
 MEMORY_GROWTH_LIMIT = 0.05
-MEMORY_EVERY_POLLS = 10  # one memory sample per 10 polls (~10 s)
-TEMPERATURES = (0.0, 0.0, 0.7, 1.0)
+MEMORY_EVERY_POLLS = 5  # one memory sample per 5 polls (~5 s)
+TEMPERATURES = (0.0, 0.0, 0.0, 0.7)
 LENGTHS = (8, 32, 64, 128, 256)
 TINY_PROMPTS = ["def add(a, b):", "The quick brown fox jumps", "import os\nimport sys\nprint(", "for i in range(10):",
                 "class Point:\n    def __init__(self, x, y):", "print(os.getcwd(), sys.argv)", "The lazy dog",
@@ -67,10 +79,22 @@ def _seconds_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected seconds such as 150 or 100,200; got {text!r}") from None
 
 
+def _temperatures(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected temperatures such as 0,0,0,0.7; got {text!r}") from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=300.0, help="seconds of traffic (default 300)")
-    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--clients", type=int, default=4,
+                   help="concurrent streaming clients (default 4: SSD's branches run at small batches on a CPU)")
+    p.add_argument("--temperatures", type=_temperatures, default=list(TEMPERATURES),
+                   help="temperatures each request draws from, comma-separated (default 0,0,0,0.7)")
+    p.add_argument("--models", choices=["cost", "raw"], default="cost",
+                   help="demo pair: its cost-matched twins (default) or the raw trained models")
     p.add_argument("--kill-at", type=_seconds_list, default=None,
                    help="seconds into the traffic of each drafter SIGKILL, comma-separated (default: duration / 2); "
                         "several kills tell memory a restart leaves behind from a one-time fill")
@@ -81,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--warmup-s", type=float, default=None,
                    help="traffic before the 'start' memory sample (default min(30, duration / 10))")
+    p.add_argument("--drafter-settle-s", type=float, default=15.0,
+                   help="a replacement drafter's memory is measured from its first sample this long after it was "
+                        "ready (it builds every oneDNN shape before it reports ready; default 15)")
     p.add_argument("--drain-s", type=float, default=120.0, help="time in-flight requests get after --duration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="soak")
@@ -96,13 +123,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not 0 < t < a.duration:
             p.error(f"--kill-at must be inside the traffic (0, {a.duration:g}), got {t:g}")
     a.warmup_s = min(30.0, a.duration / 10) if a.warmup_s is None else a.warmup_s
+    if not a.temperatures or any(t < 0 for t in a.temperatures):
+        p.error("--temperatures: one or more temperatures >= 0")
     return a
 
 
 # ------------------------------------------------------------------------------------------------ models
 
 def pick_pair(a: argparse.Namespace, tmp: Path) -> tuple[str, str, str, list[str]]:
-    """(target, draft, which, prompts): --model/--draft, else the built demo pair, else a tiny random pair."""
+    """(target, draft, which, prompts): --model/--draft, else the built demo pair (its cost-matched twins with
+    `--models cost` where built), else a tiny random pair."""
     if a.model:
         return a.model, a.draft, "given", TINY_PROMPTS
     from saguaro_vllm.demo.build import BuildSettings, DemoPair, default_cache_root
@@ -113,7 +143,11 @@ def pick_pair(a: argparse.Namespace, tmp: Path) -> tuple[str, str, str, list[str
     marker, _ = read_marker(root)
     if marker is not None and marker.get("key") == key:
         pair = DemoPair(root, json.loads((root / "stats.json").read_text()))
-        return str(pair.target), str(pair.draft), "demo", pair.heldout_prompts(32)
+        if a.models == "cost" and pair.target_cost is not None:
+            return (str(pair.target_cost), str(pair.draft_cost), "demo (cost-matched twins)",
+                    pair.heldout_prompts(32))
+        which = "demo (raw)" if a.models == "raw" else "demo (raw: the cost-matched twins are not built)"
+        return str(pair.target), str(pair.draft), which, pair.heldout_prompts(32)
     sys.path.insert(0, str(ROOT / "tests"))
     from tiny_models import build_tiny_pair
 
@@ -123,9 +157,9 @@ def pick_pair(a: argparse.Namespace, tmp: Path) -> tuple[str, str, str, list[str
 
 # ------------------------------------------------------------------------------------------- requests
 
-def request_plan(rng: random.Random, prompts: list[str]) -> dict:
+def request_plan(rng: random.Random, prompts: list[str], temperatures=TEMPERATURES) -> dict:
     """One request: endpoint, prompt and sampling, drawn from the soak's mix."""
-    temperature = rng.choice(TEMPERATURES)
+    temperature = rng.choice(temperatures)
     body: dict = {"max_tokens": rng.choice(LENGTHS), "temperature": temperature, "seed": rng.randrange(2**31)}
     extra: dict = {}
     if temperature > 0 and rng.random() < 0.5:
@@ -176,10 +210,10 @@ async def one_request(client, model: str, plan: dict) -> dict:
 
 
 async def client_loop(idx: int, client, model: str, prompts: list[str], stop_at: float, seed: int,
-                      done: list[dict], errors: list[str]) -> None:
+                      done: list[dict], errors: list[str], temperatures=TEMPERATURES) -> None:
     rng = random.Random(seed * 1000 + idx)
     while time.monotonic() < stop_at:
-        plan = request_plan(rng, prompts)
+        plan = request_plan(rng, prompts, temperatures)
         try:
             done.append(await one_request(client, model, plan))
         except Exception as err:  # every error counts; the soak goes on
@@ -267,9 +301,11 @@ async def soak(a: argparse.Namespace, server, model_name: str, prompts: list[str
     errors: list[str] = []
     polls: list[dict] = []
     events: dict = {}
+    seen: dict[int, tuple[str, float]] = {}  # CPU seconds of every process, updated at each memory sample
     start = time.monotonic()
     stop_at = start + a.duration
-    tasks = [asyncio.create_task(client_loop(i, client, model_name, prompts, stop_at, a.seed, done, errors))
+    tasks = [asyncio.create_task(client_loop(i, client, model_name, prompts, stop_at, a.seed, done, errors,
+                                             tuple(a.temperatures)))
              for i in range(a.clients)]
     bar = tqdm(total=int(a.duration), unit="s", desc="soak", dynamic_ncols=True)
     pending_kills = list(a.kill_at)
@@ -280,10 +316,14 @@ async def soak(a: argparse.Namespace, server, model_name: str, prompts: list[str
         drafters = [p.pid for role, p in server.processes() if role == "drafter"]
         polls.append({"t": round(now, 2), "requests": len(done), "tokens": sum(r["tokens"] for r in done),
                       "errors": len(errors), "drafts": m.get(SAGUARO_DRAFT_TOKENS, 0.0), "state": state,
-                      "restarts": m.get(RESTARTS), "failures": m.get(FAILURES, 0.0), "drafters": drafters})
+                      "restarts": m.get(RESTARTS), "failures": m.get(FAILURES, 0.0), "drafters": drafters,
+                      "lookups": m.get(LOOKUPS, 0.0), "hits": m.get(HITS, 0.0)})
         if len(polls) % MEMORY_EVERY_POLLS == 0 or ("memory_start" not in events and now >= a.warmup_s):
             sample = {"t": round(now, 2), "mb": memory_mb(server), "drafter_pid": drafters[0] if drafters else None}
             events.setdefault("memory_samples", []).append(sample)
+            # processes of others that start and exit during the run count up to their last sample
+            seen.update(await asyncio.to_thread(others_cpu_s))
+            events.setdefault("loadavg", []).append((round(now, 2), round(os.getloadavg()[0], 2)))
             if "memory_start" not in events and now >= a.warmup_s:
                 events["memory_start"] = sample
         if pending_kills and now >= pending_kills[0]:
@@ -308,7 +348,7 @@ async def soak(a: argparse.Namespace, server, model_name: str, prompts: list[str
     drain_s = time.monotonic() - start - traffic_s
     final, _ = await asyncio.to_thread(scrape, server)
     return {"done": done, "errors": errors, "polls": polls, "events": events, "start": start, "traffic_s": traffic_s,
-            "drain_s": drain_s, "metrics": final}
+            "drain_s": drain_s, "metrics": final, "cpu_seen": seen}
 
 
 def recovery(polls: list[dict], kill: dict | None, done: list[dict], start: float,
@@ -362,29 +402,60 @@ def kill_jumps(events: dict, kills: list[dict]) -> list[dict]:
     return out
 
 
-def memory_growth(events: dict, warmup_s: float, kill: dict | None = None) -> dict:
+def drafter_memory(samples: list[dict], kills: list[dict], warmup_s: float, settle_s: float) -> list[dict]:
+    """Each drafter process's own resident memory, first sample to last of the span measured: the first
+    drafter from the warm-up to its last sample before the kill, every replacement from its first sample at
+    least `settle_s` after it was ready (it builds its oneDNN shapes and writes its KV cache before it reports
+    ready) to its last one. Comparing two processes would measure the restart, not a leak."""
+    pids: list[int] = []
+    for x in samples:
+        if x.get("drafter_pid") is not None and "drafter" in x["mb"] and x["drafter_pid"] not in pids:
+            pids.append(x["drafter_pid"])
+    out = []
+    for i, pid in enumerate(pids):
+        own = [x for x in samples if x.get("drafter_pid") == pid and "drafter" in x["mb"]]
+        if i == 0:
+            t0, since = warmup_s, f"the warm-up ({warmup_s:.0f} s)"
+        else:
+            prior = [k for k in kills if k["at_s"] <= own[0]["t"]]
+            ready = (prior[-1]["at_s"] + (prior[-1].get("ready_after_s") or 0.0)) if prior else own[0]["t"]
+            t0, since = ready + settle_s, f"{settle_s:.0f} s after it was ready at {ready:.0f} s"
+        span = [x for x in own if x["t"] >= t0]
+        entry = {"pid": pid, "which": "first" if i == 0 else f"replacement {i}", "alive_t_s": [own[0]["t"],
+                 own[-1]["t"]], "since": since, "from_t_s": None, "to_t_s": None, "start_mb": None,
+                 "end_mb": None, "growth": None, "samples": len(span)}
+        if len(span) >= 2:
+            a, b = span[0], span[-1]
+            entry.update(from_t_s=a["t"], to_t_s=b["t"], start_mb=a["mb"]["drafter"], end_mb=b["mb"]["drafter"],
+                         growth=round((b["mb"]["drafter"] - a["mb"]["drafter"]) / a["mb"]["drafter"], 4),
+                         max_mb=max(x["mb"]["drafter"] for x in span))
+        out.append(entry)
+    return out
+
+
+def memory_growth(events: dict, warmup_s: float, kills: list[dict] | None = None, settle_s: float = 15.0) -> dict:
     """Resident memory growth per role from the sample after the warm-up to the end (< 5 % each).
 
-    A drafter killed mid-run is replaced by a new process: its growth is measured from the replacement's
-    own first sample at least `warmup_s` after it was ready (comparing two processes would measure the
-    restart, not a leak). `second_half_growth` (midpoint of the measured span to the end) tells a
-    warm-up step from a steady leak. Every sample is kept in `samples` (one per 10 s).
+    Every drafter process (the first one and each replacement) is measured over its own life
+    (`drafter_memory`, listed in `drafters`); the `drafter` entry of `growth` is the last one's. `ok` needs
+    every process under the limit and every drafter measured (one that ran too short is not vouched for).
+    `second_half_growth` (midpoint of the measured span to the end) tells a warm-up step from a steady leak.
+    Every sample is kept in `samples` (one per ~5 s).
     """
     samples = events.get("memory_samples", [])
     start, end = events.get("memory_start", {}), events["memory_end"]
     begin = {role: (start.get("t"), mb) for role, mb in start.get("mb", {}).items()}
+    drafters = drafter_memory(samples, kills or [], warmup_s, settle_s)
     notes = {}
-    if "drafter" in begin and start.get("drafter_pid") != end.get("drafter_pid"):
-        ready_t = (kill or {}).get("at_s", 0.0) + ((kill or {}).get("ready_after_s") or 0.0)
-        own = [x for x in samples if x.get("drafter_pid") == end.get("drafter_pid") and "drafter" in x["mb"]
-               and x["t"] >= ready_t + warmup_s and x is not end]
-        if own:
-            begin["drafter"] = (own[0]["t"], own[0]["mb"]["drafter"])
-            notes["drafter"] = (f"replacement drafter (pid {end.get('drafter_pid')}) from {own[0]['t']:.0f} s, "
-                                f"{warmup_s:.0f} s after it was ready")
+    if "drafter" in begin:
+        last = drafters[-1] if drafters else None
+        if last is not None and last["from_t_s"] is not None:
+            begin["drafter"] = (last["from_t_s"], last["start_mb"])
+            if last["which"] != "first":
+                notes["drafter"] = f"{last['which']} (pid {last['pid']}) from {last['from_t_s']:.0f} s, {last['since']}"
         else:
             del begin["drafter"]
-            notes["drafter"] = "replacement drafter ran shorter than the warm-up: not measured"
+            notes["drafter"] = "the last drafter ran too short to be measured"
     growth, second_half = {}, {}
     for role, (t0, mb0) in begin.items():
         if role not in end["mb"] or not mb0:
@@ -396,12 +467,37 @@ def memory_growth(events: dict, warmup_s: float, kill: dict | None = None) -> di
         if mid:
             second_half[role] = round((end["mb"][role] - mid) / mid, 4)
     total_s, total_e = sum(start.get("mb", {}).values()), sum(end["mb"].values())
+    measured = [d["growth"] for d in drafters if d["growth"] is not None]
     return {"start_mb": start.get("mb", {}), "end_mb": end["mb"], "start_t_s": start.get("t"),
             "end_t_s": end["t"], "from": {role: t for role, (t, _) in begin.items()}, "notes": notes,
-            "growth": growth, "second_half_growth": second_half,
+            "growth": growth, "second_half_growth": second_half, "drafters": drafters,
+            "all_drafters_measured": bool(drafters) and len(measured) == len(drafters),
             "total_growth": round((total_e - total_s) / total_s, 4) if total_s else None,
-            "ok": bool(growth) and all(g < MEMORY_GROWTH_LIMIT for g in growth.values()),
+            "ok": bool(growth) and all(g < MEMORY_GROWTH_LIMIT for g in [*growth.values(), *measured])
+                  and len(measured) == len(drafters),
             "samples": [{"t": x["t"], "drafter_pid": x.get("drafter_pid"), **x["mb"]} for x in samples]}
+
+
+def hit_rates(polls: list[dict], kills: list[dict], warmup_s: float) -> dict:
+    """Speculation-cache hit rate (hits / lookups, from /metrics) over windows of the run: after the warm-up
+    to the first kill, and from the last replacement's drafts flowing again to the end (the new drafter's
+    cache starts empty)."""
+    def window(t0: float, t1: float) -> dict | None:
+        inside = [p for p in polls if t0 <= p["t"] <= t1 and p.get("lookups") is not None]
+        if len(inside) < 2:
+            return None
+        lookups = inside[-1]["lookups"] - inside[0]["lookups"]
+        hits = inside[-1]["hits"] - inside[0]["hits"]
+        return {"from_t_s": inside[0]["t"], "to_t_s": inside[-1]["t"], "lookups": lookups, "hits": hits,
+                "hit_rate": round(hits / lookups, 4) if lookups else None}
+    end = polls[-1]["t"] if polls else 0.0
+    first_kill = kills[0]["at_s"] if kills else end
+    out = {"before_kill": window(warmup_s, first_kill)}
+    if kills:
+        k = kills[-1]
+        back = k.get("recovered_after_s") or k.get("ready_after_s")
+        out["after_recovery"] = None if back is None else window(k["at_s"] + back, end)
+    return out
 
 
 def speculation(m: dict[str, float]) -> dict:
@@ -451,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu_start = others_cpu_s()
             run = asyncio.run(soak(a, server, "soak", prompts))
             own |= {pid for poll in run["polls"] for pid in poll["drafters"]}
-            cpu_end = others_cpu_s()
+            cpu_end = {**run["cpu_seen"], **others_cpu_s()}
             load_after = os.getloadavg()
         finally:
             server.stop()
@@ -472,19 +568,25 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine_info(), "models": which, "target": target, "draft": draft,
         "settings": {"duration_s": a.duration, "clients": a.clients, "k": a.k, "mode": "async",
-                     "kill_at_s": a.kill_at, "max_model_len": a.max_model_len, "temperatures": TEMPERATURES,
-                     "lengths": LENGTHS, "seed": a.seed, "warmup_s": a.warmup_s},
+                     "kill_at_s": a.kill_at, "max_model_len": a.max_model_len, "temperatures": a.temperatures,
+                     "greedy_share": round(sum(t == 0 for t in a.temperatures) / len(a.temperatures), 3),
+                     "lengths": LENGTHS, "seed": a.seed, "warmup_s": a.warmup_s,
+                     "drafter_settle_s": a.drafter_settle_s},
         "startup_s": round(startup_s, 1), "traffic_s": round(run["traffic_s"], 1), "drain_s": round(run["drain_s"], 1),
         "summary": summarize(run["done"], run["traffic_s"]),
         "errors": len(run["errors"]), "error_samples": run["errors"][:20],
         "kills": kills,
-        "speculation": speculation(run["metrics"]),
-        "memory": {**memory_growth(run["events"], a.warmup_s, kills[-1] if kills else None),
+        "speculation": speculation(run["metrics"]) | {"hit_rate_windows": hit_rates(run["polls"], kills, a.warmup_s)},
+        "memory": {**memory_growth(run["events"], a.warmup_s, kills, a.drafter_settle_s),
                    "kill_jumps": kill_jumps(run["events"], kills)},
         "load": {"loadavg_before": load_before, "loadavg_after": load_after,
+                 "loadavg_1min_during": {"mean": round(statistics.fmean(x[1] for x in run["events"]["loadavg"]), 2),
+                                         "max": max(x[1] for x in run["events"]["loadavg"])}
+                 if run["events"].get("loadavg") else None,
                  "other_processes_cpu_s": dict(sorted(others.items(), key=lambda kv: -kv[1])[:15]),
                  "other_cpu_s_total": round(sum(others.values()), 1)},
-        "timeline": [{k: p[k] for k in ("t", "requests", "tokens", "errors", "drafts", "restarts", "state")}
+        "timeline": [{k: p[k] for k in ("t", "requests", "tokens", "errors", "drafts", "restarts", "state", "lookups",
+                                        "hits")}
                      for p in run["polls"]],
         "log_excerpt": log_tail,
     }
@@ -494,7 +596,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[soak] {s['requests']} requests, {result['errors']} errors, {s['tokens_per_s']:.1f} tok/s, "
           f"latency p50/p99 {s['latency_s']['p50']:.2f}/{s['latency_s']['p99']:.2f} s, "
           f"TPOT p50/p99 {1e3 * (s['tpot_s']['p50'] or 0):.1f}/{1e3 * (s['tpot_s']['p99'] or 0):.1f} ms; "
-          f"kills: {result['kills']}; memory growth {result['memory']['growth']} (ok={result['memory']['ok']}); "
+          f"kills: {result['kills']}; hit rate {result['speculation']['cache_hit_rate']} "
+          f"({result['speculation']['hit_rate_windows']}); memory growth {result['memory']['growth']}, drafters "
+          f"{[(d['which'], d['growth']) for d in result['memory']['drafters']]} (ok={result['memory']['ok']}); "
           f"others used {result['load']['other_cpu_s_total']} CPU s -> {out_path}")
     return 0 if result["errors"] == 0 and result["memory"]["ok"] else 1
 

@@ -138,15 +138,20 @@ def test_soak_memory_growth_measures_a_replaced_drafter_from_its_own_warmup():
                sample(90, 2, 700, 1030), sample(120, 2, 1100, 1040), sample(150, 2, 1110, 1045)]
     end = sample(180, 2, 1120, 1048)
     events = {"memory_samples": [*samples, end], "memory_start": samples[1], "memory_end": end}
-    got = soak.memory_growth(events, warmup_s=30, kill={"at_s": 70, "ready_after_s": 15})
+    got = soak.memory_growth(events, warmup_s=30, kills=[{"at_s": 70, "ready_after_s": 15}], settle_s=30)
     # worker: from its warm-up sample (t=30); drafter: the replacement's first sample >= 85 + 30 s (t=120)
     assert got["from"] == {"drafter": 120, "worker": 30}
     assert got["growth"] == {"drafter": round(20 / 1100, 4), "worker": round(38 / 1010, 4)} and got["ok"]
     assert got["second_half_growth"]["drafter"] == round(10 / 1110, 4)  # midpoint 150 s
-    assert "replacement drafter" in got["notes"]["drafter"] and len(got["samples"]) == 7
+    assert "replacement 1 (pid 2)" in got["notes"]["drafter"] and len(got["samples"]) == 7
+    # each drafter over its own life: the first from the warm-up to its last sample, the replacement from t=120
+    assert [(d["pid"], d["from_t_s"], d["to_t_s"], d["growth"]) for d in got["drafters"]] == [
+        (1, 30, 60, round(10 / 1000, 4)), (2, 120, 180, round(20 / 1100, 4))] and got["all_drafters_measured"]
+    short = soak.memory_growth(events, 30, [{"at_s": 70, "ready_after_s": 15}], settle_s=90)  # from 175 s: 1 sample
+    assert short["drafters"][1]["growth"] is None and not short["all_drafters_measured"] and not short["ok"]
     leaking = {**events, "memory_end": sample(180, 2, 1120, 1200)}
     leaking["memory_samples"] = [*samples, leaking["memory_end"]]
-    assert not soak.memory_growth(leaking, 30, {"at_s": 70, "ready_after_s": 15})["ok"]
+    assert not soak.memory_growth(leaking, 30, [{"at_s": 70, "ready_after_s": 15}], 30)["ok"]
 
 
 def test_soak_kill_jumps_compare_each_kill_with_the_settled_replacement():
@@ -260,3 +265,103 @@ def test_real_vocab_and_host_overhead_sections():
     text = "\n".join(report.host_overhead_section(host))
     assert "| 0 | 256 | 64 | 32 | after | 0.50 | 1.00 | 1.50 | - | 1.0 |" in text
     assert "| 0 | 256 | 64 | 32 | before | 2.00 | 1.00 | 9.00 | - | 400.0 |" in text
+
+
+# ------------------------------------------------------------------ benchmarks/bench_serve.py (vllm bench serve)
+
+SERVE_FIXTURES = ROOT / "tests" / "fixtures" / "bench_serve"
+
+
+def _bench_serve():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_serve.py imports run's helpers as `run`
+    try:
+        return _load("bench_serve")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def _serve_fixture(name: str) -> tuple[dict, dict | None]:
+    """A result JSON that a real `vllm bench serve` run wrote (and the server's /metrics delta over it)."""
+    delta = SERVE_FIXTURES / f"{name}.metrics-delta.json"
+    return (json.loads((SERVE_FIXTURES / f"{name}.json").read_text()),
+            json.loads(delta.read_text()) if delta.exists() else None)
+
+
+def test_bench_serve_rows_come_from_vllms_result_json_and_the_metrics_delta():
+    bs = _bench_serve()
+    result, delta = _serve_fixture("saguaro-async-corpus-t0-c4")
+    row = bs.summary_row(result, delta)
+    for key in ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms",
+                "output_throughput", "completed"):
+        assert row[key] == result[key] and row[key] is not None
+    assert row["failed"] == 0 and row["completed"] == result["num_prompts"]
+    assert row["spec_decode_acceptance_rate"] == pytest.approx(result["spec_decode_acceptance_rate"] / 100)
+    assert row["spec_decode_acceptance_length"] == result["spec_decode_acceptance_length"] > 1
+    # SSD's hit rate: hits / lookups summed over the labelled samples of the server's /metrics page
+    hits = sum(v for k, v in delta.items() if k.startswith("vllm:saguaro_cache_hits_total"))
+    lookups = sum(v for k, v in delta.items() if k.startswith("vllm:saguaro_cache_lookups_total"))
+    assert lookups > 0 and row["hit_rate"] == pytest.approx(hits / lookups)
+    # the same counters read by this script and by vLLM's client agree
+    assert row["metrics_acceptance_length"] == pytest.approx(row["spec_decode_acceptance_length"], rel=0.05)
+    ar = bs.summary_row(*_serve_fixture("vllm-ar-corpus-t0-c4"))
+    assert ar["spec_decode_acceptance_length"] is None and ar.get("hit_rate") is None and ar["p50_tpot_ms"] > 0
+    assert bs.metrics_delta({"a": 1.0, "b": 2.0}, {"a": 3.0, "b": 2.0, "c": 1.0}) == {"a": 2.0, "c": 1.0}
+
+
+def test_bench_serve_commands_are_valid_vllm_bench_serve_arguments(tmp_path):
+    bs = _bench_serve()
+    a = bs.parse_args(["--concurrency", "1,64", "--output-len", "64", "--requests-per-client", "1",
+                       "--min-requests", "2"])
+    assert [bs.num_requests(a, c) for c in a.concurrency] == [2, 64]
+    cmd = bs.bench_command(a, "http://127.0.0.1:1", "/tok", "corpus", tmp_path / "c.jsonl", 0.7, 64, tmp_path,
+                           "x.json", {"engine": "saguaro-async"})
+    assert cmd[cmd.index("bench") + 1] == "serve"
+    argv = cmd[cmd.index("serve") + 1:]
+    for flag, value in (("--dataset-name", "custom"), ("--temperature", "0.7"), ("--max-concurrency", "64"),
+                        ("--custom-output-len", "64"), ("--result-dir", str(tmp_path)), ("--num-prompts", "64")):
+        assert argv[argv.index(flag) + 1] == value
+    assert {"--save-result", "--ignore-eos", "--skip-chat-template"} <= set(argv)
+    # the flags exist in this vLLM's `vllm bench serve` parser and mean what we want
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(argv)
+    assert (args.dataset_name, args.temperature, args.max_concurrency, args.save_result) == ("custom", 0.7, 64, True)
+    assert args.metric_percentiles == "50,99" and "tpot" in args.percentile_metrics
+    cmd = bs.bench_command(a, "u", "/tok", "random", None, 0.0, 1, tmp_path, "y.json", {})
+    rnd = parser.parse_args(cmd[cmd.index("serve") + 1:])
+    assert (rnd.dataset_name, rnd.random_output_len, rnd.temperature) == ("random", 64, 0.0)
+    # placement as run.py: vLLM engines confined whole to the target's cores in `split`, Saguaro never
+    assert run.engine_pin("vllm-draft_model-k5", "split", [0]) == [0]
+    assert run.engine_pin("saguaro-async", "split", [0]) is None and run.engine_pin("vllm-ar", "equal", [0]) is None
+
+
+def test_bench_serve_report_section_and_tpot_plot(tmp_path, monkeypatch):
+    bs = _bench_serve()
+    monkeypatch.setattr(report, "IMG", tmp_path / "img")
+    runs = []
+    for engine in ("vllm-ar", "saguaro-async"):
+        result, delta = _serve_fixture(f"{engine}-corpus-t0-c4")
+        for c in (1, 4):  # the same real result at two concurrencies: two points per line
+            runs.append({"engine": engine, "dataset": "corpus", "temperature": 0.0, "concurrency": c,
+                         "num_prompts": result["num_prompts"], "row": bs.summary_row(result, delta)})
+    data = {"kind": "serve", "name": "serve-unit", "label": "unit", "date": "2026-12-06T00:00:00+00:00",
+            "_file": "2026-12-06-serve-unit.json", "command": "benchmarks/bench_serve.py", "note": "noisy",
+            "machine": {"cpu": "x", "cpus": 2}, "load_avg": {"start": [3.0], "end": [4.0]}, "target": "/t",
+            "draft": "/d", "result_dir": "benchmarks/results/serve/x", "runtime_s": 600,
+            "placement": {"mode": "split", "rule": "r"},
+            "settings": {"k": 5, "concurrency": [1, 4], "datasets": ["corpus"], "temperatures": [0.0],
+                         "output_len": 16, "random_input_len": 128, "requests": {"1": 4, "4": 4},
+                         "corpus_prompts": 32, "client": "cli"}, "runs": runs, "summary": bs.merge(runs)}
+    assert set(data["summary"]) == {"corpus|T0|c1", "corpus|T0|c4"}
+    text = "\n".join(report.serve_section(data))
+    ssd = runs[-1]["row"]
+    tput = ssd["output_throughput"] / runs[1]["row"]["output_throughput"]
+    assert (f"| corpus | 0 | 4 | Saguaro `async` (SSD) | {ssd['p50_ttft_ms']:.0f} / {ssd['p99_ttft_ms']:.0f} | "
+            f"{ssd['p50_tpot_ms']:.0f} / {ssd['p99_tpot_ms']:.0f} | {ssd['p50_itl_ms']:.0f} / {ssd['p99_itl_ms']:.0f} "
+            f"| {ssd['output_throughput']:.1f} | {tput:.2f}x | {ssd['spec_decode_acceptance_rate']:.2f} "
+            f"| {ssd['spec_decode_acceptance_length']:.2f} | {ssd['hit_rate']:.3f} | - |") in text
+    assert "| corpus | 0 | 1 | vLLM AR |" in text and "Failed requests: 0 of 16" in text and "noisy" in text
+    assert (tmp_path / "img" / "serve-unit-tpot.png").stat().st_size > 1000 and "img/serve-unit-tpot.png" in text
