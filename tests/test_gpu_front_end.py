@@ -128,18 +128,22 @@ RESOLVE = textwrap.dedent("""
     from saguaro_vllm.config import SaguaroConfigError
     from saguaro_vllm.resolve import resolve_draft_path
 
-    model, revision, download_dir = json.loads(sys.argv[1])
-    try:
-        print(json.dumps({"path": str(resolve_draft_path(model, download_dir, revision))}))
-    except SaguaroConfigError as err:
-        print(json.dumps({"error": str(err)}))
+    results = []
+    for model, revision, download_dir in json.loads(sys.argv[1]):
+        try:
+            results.append({"path": str(resolve_draft_path(model, download_dir, revision))})
+        except SaguaroConfigError as err:
+            results.append({"error": str(err)})
+    print(json.dumps(results))
 """)
 
 
-def _resolve_offline(tmp_path, model, revision=None, download_dir=None, hf_home=None) -> dict:
+def _resolve_offline_many(tmp_path, queries: list[tuple], hf_home=None) -> list[dict]:
+    """`resolve_draft_path` for each (model, revision, download_dir) in one offline process without network
+    (one interpreter start: importing vLLM costs seconds)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
     env.update(HF_HOME=str(hf_home or tmp_path / "hf-home"), HF_HUB_OFFLINE="1")
-    out = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps([model, revision, download_dir])], env=env,
+    out = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps([list(q) for q in queries])], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -166,28 +170,31 @@ def _fake_hub_cache(hub: "os.PathLike", repo: str, source_dir: str, commit: str,
 
 
 def test_offline_draft_missing_from_the_cache_is_a_clear_error(tmp_path):
-    got = _resolve_offline(tmp_path, "saguaro-test/not-cached-draft")
+    got, tagged, path_like = _resolve_offline_many(tmp_path, [
+        ("saguaro-test/not-cached-draft", None, None), ("saguaro-test/not-cached-draft", "v2", None),
+        ("/nonexistent/draft", None, None)])
     msg = got["error"]
     assert msg.startswith("speculative_config.model: draft model 'saguaro-test/not-cached-draft' is not in the "
                           "local Hugging Face cache (")
     assert str(tmp_path / "hf-home" / "hub") in msg and "HF_HUB_OFFLINE=1 forbids downloading it" in msg
     assert "hf download saguaro-test/not-cached-draft" in msg and "unset HF_HUB_OFFLINE" in msg
-    assert "at revision 'v2'" in _resolve_offline(tmp_path, "saguaro-test/not-cached-draft", revision="v2")["error"]
-    path_like = _resolve_offline(tmp_path, "/nonexistent/draft")["error"]
-    assert path_like.startswith("speculative_config.model: draft model '/nonexistent/draft' not found")
+    assert "at revision 'v2'" in tagged["error"]
+    assert path_like["error"].startswith("speculative_config.model: draft model '/nonexistent/draft' not found")
 
 
 def test_offline_draft_in_the_cache_resolves_without_network(tmp_path, tiny_pair):
     _, draft = tiny_pair
     commit, other = "a" * 40, "b" * 40
     snapshot = _fake_hub_cache(tmp_path / "hf-home" / "hub", "saguaro-test/tiny-draft", draft, commit)
-    assert _resolve_offline(tmp_path, "saguaro-test/tiny-draft") == {"path": snapshot}
     tagged = _fake_hub_cache(tmp_path / "hf-home" / "hub", "saguaro-test/tiny-draft", draft, other, ref="v2")
-    assert _resolve_offline(tmp_path, "saguaro-test/tiny-draft", revision="v2") == {"path": tagged}
-    assert _resolve_offline(tmp_path, "saguaro-test/tiny-draft", revision=commit) == {"path": snapshot}
     # vLLM's --download-dir is the cache the draft is looked up in (and downloaded to)
     elsewhere = _fake_hub_cache(tmp_path / "downloads", "saguaro-test/tiny-draft", draft, commit)
-    assert _resolve_offline(tmp_path, "saguaro-test/tiny-draft", download_dir=str(tmp_path / "downloads")) == {
-        "path": elsewhere}
-    missing = _resolve_offline(tmp_path, "saguaro-test/tiny-draft", download_dir=str(tmp_path / "empty"))["error"]
-    assert f"({tmp_path / 'empty'})" in missing
+    main, v2, pinned, downloads, empty = _resolve_offline_many(tmp_path, [
+        ("saguaro-test/tiny-draft", None, None), ("saguaro-test/tiny-draft", "v2", None),
+        ("saguaro-test/tiny-draft", commit, None), ("saguaro-test/tiny-draft", None, str(tmp_path / "downloads")),
+        ("saguaro-test/tiny-draft", None, str(tmp_path / "empty"))])
+    assert main == {"path": snapshot}
+    assert v2 == {"path": tagged}
+    assert pinned == {"path": snapshot}
+    assert downloads == {"path": elsewhere}
+    assert f"({tmp_path / 'empty'})" in empty["error"]

@@ -185,7 +185,6 @@ def test_async_gauges_and_histograms_are_exported(async128k):
     # core), and the watch says so
     assert [async128k[j].saguaro["vllm:saguaro_speculating"] for j in ("b1", "b64", "long", "n3")] == [1.0] * 4
     assert samples["vllm:saguaro_speculating"] in (0.0, 1.0)
-    assert delta["t1"].get('vllm:saguaro_rows_undrafted_total{status="ngram"}', 0) > 0  # the why, by status
     assert sum(d.get("vllm:saguaro_predraft_skipped_total", 0) for d in delta.values()) > 0
     # C = 1 (the default): the scale sum is exactly the count of sampled drafts
     sampled = async128k["t1"].counter("vllm:saguaro_sampled_drafts")
