@@ -205,8 +205,9 @@ def test_top_tokens_equal_a_stable_descending_sort(rows, vocab, n, ties):
 
 def test_top_tokens_with_masked_tokens_and_no_data_dependent_shapes():
     """Rows with -inf (masked) tokens, fewer finite ones than n: the -inf ties fill the rest lowest ids
-    first, as a stable sort does; and the selection never asks for a tensor whose size depends on its
-    data (`nonzero`, boolean indexing), which a GPU would make the host wait for."""
+    first, as a stable sort does (a second transfer for such rows); float scores take one transfer; and
+    the selection never asks for a tensor whose size depends on its data (`nonzero`, boolean indexing),
+    which a GPU would make the host wait for."""
     from sync_count import CountTransfers
 
     gen = torch.Generator().manual_seed(5)
@@ -216,7 +217,13 @@ def test_top_tokens_with_masked_tokens_and_no_data_dependent_shapes():
     want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :12].tolist()
     with CountTransfers() as counter:
         assert top_tokens(scores, 12) == want
-    assert counter.total == 1 and counter.data_dependent == 0, counter.where
+    assert counter.total == 2 and counter.data_dependent == 0, counter.where  # ties past the 12th: a second
+    distinct = torch.randn(4, 1000, generator=gen)
+    want = torch.sort(distinct, dim=-1, descending=True, stable=True).indices[:, :65].tolist()
+    with CountTransfers() as counter:
+        got = top_tokens(distinct, 65)
+    assert got == want
+    assert counter.total == 1 and counter.data_dependent == 0, counter.where  # float logits: one transfer
 
 
 def test_forward_cost_fit_separates_tokens_from_logit_rows():
