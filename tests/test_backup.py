@@ -121,3 +121,17 @@ def test_step_rate_is_the_expectation_over_misses():
         auto = step_rate(16, h, 5, 0.8, 1.1, 1, 0.1, FIXED, PER_ROW)
         fixed = max(step_rate(16, h, 5, 0.8, 1.1, 1, 0.1, FIXED, PER_ROW, p) for p in ("jit", "ngram"))
         assert auto >= fixed * (1 - 1e-6), (h, auto, fixed)
+
+
+def test_draft_now_candidates_weigh_misses_hits_and_topups():
+    """Row 0 a miss with n-gram drafts, row 1 a miss without, row 2 a hit of 2 drafts cut short (1 more
+    wanted), row 3 a row without drafts: gains and the base are the expected-token arithmetic."""
+    from saguaro_vllm.drafter.backup import draft_now_candidates, expected_tokens
+
+    a, e_ng = 0.6, 1.5
+    cands, base = draft_now_candidates(4, {0: (3, 4, True), 1: (1, 4, False)}, {2: 2}, [(2, 1)], {2: 2}, a, e_ng)
+    assert [(c.row, c.feed, c.steps, c.topup) for c in cands] == [(0, 3, 4, False), (1, 1, 4, False), (2, 1, 1, True)]
+    assert cands[0].gain == pytest.approx(expected_tokens(a, 4) - e_ng)
+    assert cands[1].gain == pytest.approx(expected_tokens(a, 4) - 1.0)
+    assert cands[2].gain == pytest.approx(expected_tokens(a, 3) - expected_tokens(a, 2))
+    assert base == pytest.approx(e_ng + 1.0 + expected_tokens(a, 2) + 1.0)

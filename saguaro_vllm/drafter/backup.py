@@ -79,6 +79,31 @@ class DraftNow:
         return self.steps if self.logit_rows is None else self.logit_rows
 
 
+def draft_now_candidates(num_rows: int, misses: dict[int, tuple[int, int, bool]], hit_drafts: dict[int, int],
+                         topups: Sequence[tuple[int, int]], served: dict[int, int], alpha: float,
+                         e_ngram: float) -> tuple[list[DraftNow], float]:
+    """The step's `DraftNow` candidates and the tokens the step yields without any of them: each miss
+    (`misses[row] = (tokens fed, drafts wanted, has n-gram drafts)`) gains E(alpha, K) over its n-gram drafts
+    (`e_ngram` tokens per verification, or the bonus token alone where there are none); each hit cut short
+    (`topups`: (row, drafts to add), `served[row]` drafts it has) gains E(alpha, s + more) - E(alpha, s);
+    hits (`hit_drafts[row]`: their drafts) yield E(alpha, s), every other row its bonus token. Shared by
+    `SSDDrafter` and the replay (projection/replay.py), so both weigh exactly the same way."""
+    candidates, base = [], 0.0
+    for i in range(num_rows):
+        if i in misses:
+            feed, want, has_ngram = misses[i]
+            fast = e_ngram if has_ngram else 1.0
+            candidates.append(DraftNow(i, feed, want, expected_tokens(alpha, want) - fast))
+            base += fast
+        else:
+            base += expected_tokens(alpha, hit_drafts[i]) if i in hit_drafts else 1.0
+    for i, more in topups:
+        have = served[i]
+        candidates.append(DraftNow(i, 1, more, expected_tokens(alpha, have + more) - expected_tokens(alpha, have),
+                                   topup=True))
+    return candidates, base
+
+
 def draft_now_s(rows: Sequence[DraftNow], fixed_s: float, per_row_s: float, per_logit_s: float = 0.0) -> float:
     """Seconds to draft `rows` now in batched forwards: max(steps) forwards, the first feeding every row's
     `feed` tokens, each later one the rows still drafting, each forward one logit row per row in it (the

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
-from saguaro_vllm.drafter.backup import DraftNow, expected_tokens, ngram_drafts
+from saguaro_vllm.drafter.backup import draft_now_candidates, ngram_drafts
 from saguaro_vllm.drafter.branches import BranchRun
 from saguaro_vllm.drafter.predictor import MAX_RANK
 from saguaro_vllm.drafter.predraft import PreDrafter
@@ -415,26 +415,15 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         where there are none), each hit cut short E(alpha, K) over its s tokens."""
         if not misses and not topups:
             return []
-        alpha = self.predictor.neural.alpha
-        e_ngram = self.predictor.ngram_matched.mean
-        candidates, base = [], 0.0
-        miss_rows = set(misses)
-        for i, row in enumerate(req.rows):
-            if i in miss_rows:
-                st = self.reqs[row.req_id]
-                computed = self.runner.num_computed(row.req_id) if self.runner.has_request(row.req_id) else 0
-                fast = e_ngram if ngram.get(i) else 1.0
-                candidates.append(DraftNow(i, max(1, len(st.context) - computed), want[i],
-                                           expected_tokens(alpha, want[i]) - fast))
-                base += fast
-            elif status[i] == HIT:
-                base += expected_tokens(alpha, len(drafts[i]))
-            else:
-                base += 1.0
-        for i, more in topups:
-            have = len(drafts[i])
-            candidates.append(DraftNow(i, 1, more, expected_tokens(alpha, have + more)
-                                       - expected_tokens(alpha, have), topup=True))
+        missed = {}
+        for i in misses:
+            rid = req.rows[i].req_id
+            computed = self.runner.num_computed(rid) if self.runner.has_request(rid) else 0
+            missed[i] = (max(1, len(self.reqs[rid].context) - computed), want[i], bool(ngram.get(i)))
+        hits = {i: len(d) for i, (x, d) in enumerate(zip(status, drafts, strict=True)) if x == HIT}
+        candidates, base = draft_now_candidates(len(req.rows), missed, hits, topups,
+                                                {i: len(drafts[i]) for i, _ in topups},
+                                                self.predictor.neural.alpha, self.predictor.ngram_matched.mean)
         return self.planner.draft_now(candidates, base)
 
     def _draft_now(self, req: StepRequest, drafts, probs, topups, jit_rows, want) -> None:

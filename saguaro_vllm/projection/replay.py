@@ -24,7 +24,7 @@ import dataclasses
 import random
 from collections import Counter
 
-from saguaro_vllm.drafter.backup import DraftNow, expected_tokens
+from saguaro_vllm.drafter.backup import draft_now_candidates
 from saguaro_vllm.drafter.predictor import MAX_RANK
 from saguaro_vllm.drafter.round_planner import RoundPlanner
 from saguaro_vllm.drafter.scale_choice import ScaleChoice
@@ -217,22 +217,10 @@ class SSDReplay:
         has_ngram = {i: rows[i].get("ng", 0) > 0 for i in misses} if ngram_on else {}
         now: list[int] = []
         if misses or topups:
-            alpha, e_ngram = self.predictor.neural.alpha, self.predictor.ngram_matched.mean
-            cands, base, miss_rows = [], 0.0, set(misses)
-            for i, r in enumerate(rows):
-                if i in miss_rows:
-                    want = self._want(r)
-                    f = e_ngram if has_ngram.get(i) else 1.0
-                    cands.append(DraftNow(i, r.get("feed", 1), want, expected_tokens(alpha, want) - f))
-                    base += f
-                elif status[i] == HIT:
-                    base += expected_tokens(alpha, len(served[i]))
-                else:
-                    base += 1.0
-            for i, more in topups:
-                have = len(served[i])
-                cands.append(DraftNow(i, 1, more, expected_tokens(alpha, have + more) - expected_tokens(alpha, have),
-                                      topup=True))
+            missed = {i: (rows[i].get("feed", 1), self._want(rows[i]), bool(has_ngram.get(i))) for i in misses}
+            hits = {i: len(served[i]) for i, x in enumerate(status) if x == HIT}
+            cands, base = draft_now_candidates(len(rows), missed, hits, topups, {i: len(served[i]) for i, _ in topups},
+                                               self.predictor.neural.alpha, self.predictor.ngram_matched.mean)
             now = self.planner.draft_now(cands, base)
         chosen = set(now)
         jit_rows = [i for i in misses if i in chosen]
