@@ -7,7 +7,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	$(PY) -m saguaro_vllm.cli demo
+	$(PY) -m saguaro_vllm.tools.cli demo
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider

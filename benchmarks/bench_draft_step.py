@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     if args.core >= 0:
-        from saguaro_vllm.placement import pin_process
+        from saguaro_vllm.shared.placement import pin_process
 
         pin_process([args.core])
     from saguaro_vllm.drafter.kv_cache import KVCacheConfig

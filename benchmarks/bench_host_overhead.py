@@ -58,8 +58,8 @@ def measure(model_path: str, batch: int, budget: int, temperature: float, rounds
     from saguaro_vllm.drafter.model.loader import load_draft_model
     from saguaro_vllm.drafter.runner import DraftModelRunner
     from saguaro_vllm.drafter.ssd_drafter import SSDDrafter
-    from saguaro_vllm.proposal_buffers import ProposalRing
-    from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
+    from saguaro_vllm.shared.proposal_buffers import ProposalRing
+    from saguaro_vllm.shared.transport import RowUpdate, SamplingSpec, StepRequest
 
     torch.set_num_threads(1)
     model = load_draft_model(model_path, dtype=torch.float32, device="cpu")

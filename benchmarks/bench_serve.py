@@ -127,7 +127,7 @@ def bench_command(a: argparse.Namespace, url: str, tokenizer: str, dataset: str,
                   temperature: float, concurrency: int, result_dir: Path, filename: str,
                   metadata: dict[str, str]) -> list[str]:
     """The `vllm bench serve` command line of one run."""
-    from saguaro_vllm.server_process import vllm_command
+    from saguaro_vllm.tools.server_process import vllm_command
 
     cmd = [*vllm_command(), "bench", "serve", "--backend", "openai", "--base-url", url, "--model", SERVED_NAME,
            "--tokenizer", tokenizer, "--num-prompts", str(num_requests(a, concurrency)),
@@ -156,7 +156,7 @@ def summary_row(result: dict, delta: dict[str, float] | None = None) -> dict:
     if row["spec_decode_acceptance_rate"] is not None:  # vLLM writes it in percent
         row["spec_decode_acceptance_rate"] /= 100
     if delta:
-        from saguaro_vllm.server_process import metric_totals
+        from saguaro_vllm.tools.server_process import metric_totals
 
         totals = metric_totals(delta)
         sag = {k.replace('{engine="0",', "{").replace(',engine="0"}', "}"): v for k, v in delta.items()
@@ -189,7 +189,7 @@ def merge(runs: list[dict]) -> dict[str, dict]:
 def serve_engine(engine: str, spec: dict | None, pin: list[int] | None, a: argparse.Namespace, target: str,
                  corpus: Path | None, result_dir: Path, tmp: Path, bar: tqdm) -> list[dict]:
     """Start one engine's server, run every (dataset, temperature, concurrency) against it, stop it."""
-    from saguaro_vllm.server_process import VLLMServer
+    from saguaro_vllm.tools.server_process import VLLMServer
 
     args = ["--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", str(a.max_model_len),
             "--enforce-eager", "--max-num-seqs", str(max(a.concurrency)), "--seed", str(a.seed)]
@@ -283,7 +283,7 @@ def run_jobs(jobs: list[dict], url: str, work: Path, a: argparse.Namespace, bar:
 
 def _measured(url: str, run) -> dict:
     """`run()` between two reads of the server's /metrics."""
-    from saguaro_vllm.server_process import metric_samples
+    from saguaro_vllm.tools.server_process import metric_samples
 
     def scrape() -> dict[str, float]:
         import urllib.request

@@ -149,8 +149,8 @@ def worker(req_path: str, out_path: str) -> None:
     timers.wrap(RejectionSampler, "forward", "rejection")
     timers.wrap(GPUModelRunner, "_get_spec_decode_draft_probs", "gather")
     if r["engine"].startswith("saguaro"):
-        from saguaro_vllm.drafter_client import DrafterClient
-        from saguaro_vllm.proposer import SaguaroProposer
+        from saguaro_vllm.worker.drafter_client import DrafterClient
+        from saguaro_vllm.worker.proposer import SaguaroProposer
 
         timers.wrap(SaguaroProposer, "propose", "propose", cpu=True)
         original_init = SaguaroProposer.__init__
@@ -187,7 +187,7 @@ def worker(req_path: str, out_path: str) -> None:
         out = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()
                if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
         if r["engine"].startswith("saguaro"):
-            from saguaro_vllm.metrics import saguaro_samples
+            from saguaro_vllm.worker.metrics import saguaro_samples
 
             out.update({k: v for k, v in saguaro_samples().items() if k.split("{")[0].endswith("_total")})
         return out
@@ -245,8 +245,8 @@ def micro(vocab: int, batch: int, k: int, repeats: int) -> list[dict]:
     import torch
 
     from saguaro_vllm.drafter.sampling import sample_proposals
-    from saguaro_vllm.proposal_buffers import ProposalRing, SlotWriter, assemble, draft_positions
-    from saguaro_vllm.transport import SamplingSpec
+    from saguaro_vllm.shared.proposal_buffers import ProposalRing, SlotWriter, assemble, draft_positions
+    from saguaro_vllm.shared.transport import SamplingSpec
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from saguaro_vllm.proposal_buffers import ProposalRing, SlotWriter, assemble, transport_for  # noqa: E402
+from saguaro_vllm.shared.proposal_buffers import ProposalRing, SlotWriter, assemble, transport_for  # noqa: E402
 
 
 def drafter(spec: dict, draft_device: str, seed: int, batch: int, result: mp.Queue) -> None:

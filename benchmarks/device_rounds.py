@@ -86,7 +86,7 @@ def run_config(model, batch: int, budget: int, rounds: int = 4, cuda_graphs: boo
                prompt_len: int = 64, num_blocks: int = 8192, seed: int = 0) -> dict:
     """One configuration: per-forward times (ms, medians over the timed rounds), statuses, fan-out, transfers."""
     from saguaro_vllm.drafter.ssd_drafter import SSDDrafter
-    from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
+    from saguaro_vllm.shared.transport import RowUpdate, SamplingSpec, StepRequest
 
     runner, capture_s = make_runner(model, num_blocks, cuda_graphs)
     device = runner.device

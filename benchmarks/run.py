@@ -3,7 +3,7 @@
 Every engine runs in its own fresh process (one-process vLLM: front end, engine core and worker together),
 rounds interleaved (A B C D A B C D ...) so machine drift cancels. Placement (stated in every result):
 - `split` (default, the paper's setting): every engine's target on `--target-cores`; vLLM engines get the
-  whole engine process pinned there, Saguaro engines pin their worker themselves (saguaro_vllm/placement.py)
+  whole engine process pinned there, Saguaro engines pin their worker themselves (saguaro_vllm/shared/placement.py)
   and the drafter runs on `--draft-cores`;
 - `equal`: vLLM AR and `draft_model` may use every core (equal total cores); Saguaro as in `split`.
 Results go to `benchmarks/results/<date>-<name>.json`; `benchmarks/report.py` turns them into
@@ -117,7 +117,7 @@ def worker(req_path: str, out_path: str) -> None:
         os.sched_setaffinity(0, r["pin"])
     from vllm import LLM, SamplingParams
 
-    from saguaro_vllm.metrics import saguaro_samples
+    from saguaro_vllm.worker.metrics import saguaro_samples
 
     llm = LLM(model=r["target"], speculative_config=r["spec"], dtype="float32", enforce_eager=True,
               max_model_len=2048, max_num_seqs=max(r["batch"], 1), disable_log_stats=False,

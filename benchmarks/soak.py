@@ -227,7 +227,7 @@ async def client_loop(idx: int, client, model: str, prompts: list[str], stop_at:
 def scrape(server) -> tuple[dict[str, float], str | None]:
     """/metrics summed per sample name over labels, and the drafter client's state (the label of
     `vllm:saguaro_drafter_state` that is 1; None where the gauge is absent)."""
-    from saguaro_vllm.server_process import drafter_state, metric_totals
+    from saguaro_vllm.tools.server_process import drafter_state, metric_totals
 
     samples = server.metric_samples()
     return metric_totals(samples), drafter_state(samples)
@@ -513,7 +513,7 @@ def speculation(m: dict[str, float]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from run import machine_info
 
-    from saguaro_vllm.server_process import VLLMServer
+    from saguaro_vllm.tools.server_process import VLLMServer
 
     a = parse_args(argv)
     date = datetime.date.today().isoformat()

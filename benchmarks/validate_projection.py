@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         curve = str(RESULTS / f"{datetime.date.today()}-verify-curve.json")
     cost_path = trace_root / "cost-model.json"
     traces = [str(trace_of(c)) for c in cells]
-    subprocess.run([sys.executable, "-m", "saguaro_vllm.cli", "calibrate", "--draft", draft, "--core", "1",
+    subprocess.run([sys.executable, "-m", "saguaro_vllm.tools.cli", "calibrate", "--draft", draft, "--core", "1",
                     *(["--verify-curve", curve] if curve else []), "--from-trace", *traces, "--out", str(cost_path)],
                    check=True)
     cost = CostModel.load(cost_path)

@@ -1,7 +1,7 @@
 """Writes docs/grafana/saguaro-dashboard.json: a Grafana dashboard with a panel for every `vllm:saguaro_*`
 metric, beside vLLM's own speculative-decoding panels (acceptance, drafted and accepted tokens).
 
-    .venv/bin/python scripts/make_dashboard.py      # after adding a metric to saguaro_vllm/metrics.py
+    .venv/bin/python scripts/make_dashboard.py      # after adding a metric to saguaro_vllm/worker/metrics.py
 
 tests/test_dashboard.py checks that the file is what this script writes, that every collector of
 metrics.py has a panel, and that every query names a metric the plugin exports (the serve test scrapes a

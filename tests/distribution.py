@@ -201,7 +201,7 @@ def _run_engine(request: dict[str, Any]) -> dict[str, Any]:
         if len(ids) != request["max_tokens"]:
             raise RuntimeError(f"expected {request['max_tokens']} tokens, got {ids}")
         tokens[owner].append(ids)
-    from saguaro_vllm.metrics import saguaro_samples
+    from saguaro_vllm.worker.metrics import saguaro_samples
 
     return {"tokens": tokens, "spec": _spec_counters(llm.get_metrics()), "generate_s": generate_s,
             "saguaro": saguaro_samples()}

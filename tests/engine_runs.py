@@ -93,7 +93,7 @@ def _inputs(prompt: Any) -> Any:
 def _main(request: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
-    from saguaro_vllm.metrics import saguaro_samples
+    from saguaro_vllm.worker.metrics import saguaro_samples
 
     llm = LLM(model=request["model"], speculative_config=request["speculative_config"],
               **request["engine_kwargs"])

@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from saguaro_vllm.transport import Channel, Ready, StepResponse, ToDrafter
+from saguaro_vllm.shared.transport import Channel, Ready, StepResponse, ToDrafter
 
 
 def _ok(req, k: int, vocab: int, finished: str | None = None) -> StepResponse:

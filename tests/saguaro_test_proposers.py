@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from saguaro_vllm.proposal_buffers import assemble
-from saguaro_vllm.proposer import SaguaroProposer
+from saguaro_vllm.shared.proposal_buffers import assemble
+from saguaro_vllm.worker.proposer import SaguaroProposer
 
 
 class WrongProbsProposer(SaguaroProposer):

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from pathlib import Path
 
 import serve_faults
-from saguaro_vllm.server_process import VLLMServer, metric_totals
+from saguaro_vllm.tools.server_process import VLLMServer, metric_totals
 
 K = 4
 MAX_TOKENS_LARGE = 300

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from saguaro_vllm.server_process import VLLMServer, drafter_state, metric_totals
+from saguaro_vllm.tools.server_process import VLLMServer, drafter_state, metric_totals
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps", "import os\nimport sys\nprint(", "for i in range(10):",
            "class Point:\n    def __init__(self, x, y):", "print(os.getcwd()", "The lazy dog", "return a + b"]

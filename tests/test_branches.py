@@ -19,8 +19,8 @@ from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.sampling import sample_proposals
 from saguaro_vllm.drafter.sync_drafter import SyncDrafter
 from saguaro_vllm.ops import proposal_probs
-from saguaro_vllm.proposal_buffers import ProposalRing
-from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
+from saguaro_vllm.shared.proposal_buffers import ProposalRing
+from saguaro_vllm.shared.transport import RowUpdate, SamplingSpec, StepRequest
 
 K = 4
 TOL = {"atol": 2e-5, "rtol": 1e-4}

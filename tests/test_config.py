@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from saguaro_vllm.config import ASYNC_ONLY, SaguaroConfigError, SaguaroOptions, load_speculative_config_arg, \
+from saguaro_vllm.frontend.config import ASYNC_ONLY, SaguaroConfigError, SaguaroOptions, load_speculative_config_arg, \
     parse_speculative_config
-from saguaro_vllm.vllm_spec_keys import PASSED_THROUGH, REFUSED, SAGUARO_FIELDS
+from saguaro_vllm.frontend.vllm_spec_keys import PASSED_THROUGH, REFUSED, SAGUARO_FIELDS
 
 TARGET_MAX_LEN = 256
 
@@ -221,7 +221,7 @@ def test_async_only_options_say_so():
 def test_vllm_serve_refuses_bad_config_before_any_engine(tiny_pair):
     """The command line: a quick non-zero exit, the message on stderr, and no engine core ever started
     (one case: each `vllm serve` start-up costs ~35 s of imports on 2 busy cores)."""
-    from saguaro_vllm.server_process import vllm_command
+    from saguaro_vllm.tools.server_process import vllm_command
 
     target, draft = tiny_pair
     spec = {"saguaro": {"mode": "sync", "finish-predraft": True}}
@@ -277,7 +277,7 @@ def _space(monkeypatch, shm: int | None, tmp: int | None):
     """The ring's space check sees `shm` bytes free in /dev/shm and `tmp` in the temp dir (None: none)."""
     import tempfile
 
-    from saguaro_vllm import proposal_buffers
+    from saguaro_vllm.shared import proposal_buffers
 
     free = {"/dev/shm": shm, tempfile.gettempdir(): tmp}
     monkeypatch.setattr(proposal_buffers, "free_bytes", lambda d: free.get(d))
@@ -289,7 +289,7 @@ def _ring_cfg(**opts):
 
 
 def test_ring_that_fits_nowhere_is_refused_naming_size_space_and_fixes(monkeypatch):
-    from saguaro_vllm.resolve import resolve_proposal_ring
+    from saguaro_vllm.frontend.resolve import resolve_proposal_ring
 
     _space(monkeypatch, 64 * 2**20, 32 * 2**20)  # Docker's default /dev/shm, a small temp dir
     with pytest.raises(SaguaroConfigError) as err:
@@ -307,7 +307,7 @@ def test_ring_that_fits_nowhere_is_refused_naming_size_space_and_fixes(monkeypat
 def test_ring_check_uses_the_ring_that_will_be_built(monkeypatch, caplog):
     import tempfile
 
-    from saguaro_vllm.resolve import resolve_proposal_ring
+    from saguaro_vllm.frontend.resolve import resolve_proposal_ring
 
     _space(monkeypatch, 64 * 2**20, 32 * 2**20)
     assert resolve_proposal_ring(_ring_cfg(max_sampled_rows=12), 128256, 1024) == {

@@ -1,5 +1,5 @@
 """The Grafana dashboard (docs/grafana/saguaro-dashboard.json): what scripts/make_dashboard.py writes, a
-panel for every collector of saguaro_vllm/metrics.py, and every query naming a metric that exists: vLLM's
+panel for every collector of saguaro_vllm/worker/metrics.py, and every query naming a metric that exists: vLLM's
 spec-decode counters or one of ours under the name Prometheus exposes (counters `_total`, histograms
 `_bucket`); the serve test (test_serve_features.py) checks the names against a running server's /metrics."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ def dashboard_metrics() -> set[str]:
 
 def exported_names() -> set[str]:
     """The names our collectors put on /metrics (per type), from metrics.py itself."""
-    from saguaro_vllm import metrics
+    from saguaro_vllm.worker import metrics
 
     names = set()
     for c in metrics._prometheus().values():
@@ -44,7 +44,7 @@ def test_every_collector_has_a_panel_and_every_query_names_a_real_metric():
     ours = {m for m in used if m.startswith("vllm:saguaro_")}
     exported = exported_names()
     assert ours <= exported, sorted(ours - exported)
-    from saguaro_vllm import metrics
+    from saguaro_vllm.worker import metrics
 
     families = {c._name for c in metrics._prometheus().values()}
     shown = {f for f in families if any(m.startswith(f) for m in ours)}

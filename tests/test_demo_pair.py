@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from saguaro_vllm import cli
+from saguaro_vllm.tools import cli
 from saguaro_vllm.demo import build, pipeline
 from saguaro_vllm.demo.corpus import Corpus, CorpusError
 from saguaro_vllm.demo.model import ModelShape

@@ -1,7 +1,7 @@
 """`make demo`'s comparison, without servers: the table it prints from two engines' phases."""
 from __future__ import annotations
 
-from saguaro_vllm.demo_run import Phase, comparison_lines, speculation_figures
+from saguaro_vllm.tools.demo_run import Phase, comparison_lines, speculation_figures
 
 
 def _phase(t, tokens, seconds, texts, **metrics):

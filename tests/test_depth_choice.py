@@ -85,7 +85,7 @@ def test_ssd_drafter_returns_the_chosen_depth(tiny_pair):
     `depth` it reports), at least one step uses fewer than K, and every draft is the draft model's greedy
     continuation."""
     from saguaro_vllm.drafter.model.loader import load_draft_model
-    from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
+    from saguaro_vllm.shared.transport import RowUpdate, SamplingSpec, StepRequest
     from test_ssd_drafter import greedy_continuation, make_drafter, simulate_outcome
 
     model = load_draft_model(tiny_pair[1], dtype=torch.float32, device="cpu")

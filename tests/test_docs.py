@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from saguaro_vllm.config import SaguaroConfig, SaguaroOptions, parse_speculative_config
+from saguaro_vllm.frontend.config import SaguaroConfig, SaguaroOptions, parse_speculative_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from saguaro_vllm.config import SaguaroConfigError, parse_speculative_config
+from saguaro_vllm.frontend.config import SaguaroConfigError, parse_speculative_config
 from saguaro_vllm.ops import attention_limits
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def _draft(tmp_path, tiny_pair, name, **shape) -> str:
 def test_a_cpu_drafter_drafts_with_a_head_size_its_kernel_cannot_run(tmp_path, tiny_pair, caplog):
     from saguaro_vllm.drafter.model.loader import read_model_info
     from saguaro_vllm.drafter.server import build_drafter
-    from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
+    from saguaro_vllm.shared.transport import RowUpdate, SamplingSpec, StepRequest
 
     draft = _draft(tmp_path, tiny_pair, "head20", head_dim=20)
     cfg = {"draft_path": draft, "device": "cpu", "dtype": "float32", "vocab_size": read_model_info(draft).vocab_size,
@@ -142,7 +142,7 @@ def test_front_end_refuses_a_gpu_drafter_its_kernels_cannot_run(tmp_path, tiny_p
     per KV head; where vLLM has Triton the drafter runs vLLM's kernels instead (head size >= 16)."""
     import vllm.triton_utils
 
-    from saguaro_vllm.resolve import check_draft_attention
+    from saguaro_vllm.frontend.resolve import check_draft_attention
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("SAGUARO_OPS", raising=False)
@@ -173,7 +173,7 @@ def test_front_end_refuses_a_gpu_drafter_its_kernels_cannot_run(tmp_path, tiny_p
     with pytest.raises(SaguaroConfigError, match="head size 96 is not one of 64, 128"):
         check_draft_attention(head96, "cuda:1")
     # through resolve_for_engine: after the device is known
-    from saguaro_vllm.resolve import resolve_for_engine
+    from saguaro_vllm.frontend.resolve import resolve_for_engine
 
     cfg = parse_speculative_config({"method": "saguaro", "model": str(head96), "num_speculative_tokens": 3})[0]
 

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from saguaro_vllm.drafter.model.loader import read_model_info
-from saguaro_vllm.drafter_client import LATE, READY, RESTARTING, DrafterClient, DrafterUnavailable
-from saguaro_vllm.metrics import SaguaroMetrics
-from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest, endpoint_dir
+from saguaro_vllm.worker.drafter_client import LATE, READY, RESTARTING, DrafterClient, DrafterUnavailable
+from saguaro_vllm.worker.metrics import SaguaroMetrics
+from saguaro_vllm.shared.transport import RowUpdate, SamplingSpec, StepRequest, endpoint_dir
 
 K = 4
 FAST_S = 0.5  # a step that does not wait for the drafter returns within this (incl. launching a replacement: fork+exec on a busy machine)
@@ -183,10 +183,10 @@ def test_a_hang_costs_one_bounded_wait_then_a_background_restart(real):
 def test_drafter_exits_with_its_parent_and_removes_its_socket_dir(cfg, tmp_path):
     script = textwrap.dedent(f"""
         import logging, sys, time
-        from saguaro_vllm.drafter_client import DrafterClient
+        from saguaro_vllm.worker.drafter_client import DrafterClient
         c = DrafterClient({cfg!r}, logging.getLogger("parent"))
         assert c.wait_ready()
-        from saguaro_vllm.transport import endpoint_dir
+        from saguaro_vllm.shared.transport import endpoint_dir
         print(c.proc.pid, endpoint_dir(c.endpoint), flush=True)
         time.sleep(600)
     """)
@@ -262,7 +262,7 @@ def test_a_late_but_computing_drafter_is_waited_out_without_blocking(cfg):
 def _proposer(cfg, script, monkeypatch):
     """A real `SaguaroProposer` (vLLM's config and runner reduced to the fields it reads) whose drafter is
     the hostile one; `sent` records every step request."""
-    import saguaro_vllm.proposer as proposer_module
+    import saguaro_vllm.worker.proposer as proposer_module
 
     class HostileClient(DrafterClient):
         def __init__(self, *args, **kwargs):
@@ -348,8 +348,8 @@ def test_a_cuda_error_makes_the_drafter_exit_and_the_client_restart_it(cfg, tmp_
     restarts it, and once `max_restarts` is spent speculation is disabled with one log line. Any other error is
     answered and the drafter keeps serving."""
     from saguaro_vllm.drafter.server import FAIL_FILE_ENV
-    from saguaro_vllm.drafter_client import DISABLED
-    from saguaro_vllm.transport import DEVICE_ERROR_EXIT
+    from saguaro_vllm.worker.drafter_client import DISABLED
+    from saguaro_vllm.shared.transport import DEVICE_ERROR_EXIT
 
     fail = tmp_path / "fail"
     monkeypatch.setenv(FAIL_FILE_ENV, str(fail))

@@ -26,7 +26,7 @@ for name in BLOCKED:
 sys.path.insert(0, {bench!r})
 import torch
 import device_rounds
-from saguaro_vllm import transport
+from saguaro_vllm.shared import transport
 from saguaro_vllm.drafter import server  # the drafter process's module imports too (its socket needs pyzmq)
 
 model = device_rounds.make_model("smoke", torch.float32, "cpu")
@@ -49,7 +49,7 @@ def test_drafter_rounds_run_without_vllm_zmq_msgspec_pydantic():
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["loaded"] == []
-    assert out["structs"] == "saguaro_vllm.plain_structs"  # transport fell back to the plain structs
+    assert out["structs"] == "saguaro_vllm.shared.plain_structs"  # transport fell back to the plain structs
     assert "pyzmq is not installed" in out["channel"]
     for row in out["rows"]:
         assert row["hits"] == row["batch"] and row["jit_misses"] == row["batch"], row
@@ -58,7 +58,7 @@ def test_drafter_rounds_run_without_vllm_zmq_msgspec_pydantic():
 
 
 def test_plain_structs_behave_like_the_messages():
-    from saguaro_vllm import plain_structs
+    from saguaro_vllm.shared import plain_structs
 
     class Spec(plain_structs.Struct, frozen=True):
         temperature: float = 0.0

@@ -13,9 +13,9 @@ import types
 import pytest
 import torch
 
-from saguaro_vllm.config import SaguaroConfigError, parse_speculative_config
+from saguaro_vllm.frontend.config import SaguaroConfigError, parse_speculative_config
 from saguaro_vllm.drafter.kv_cache import AUTO_KV_FRACTION, AUTO_KV_GIB, kv_budget_bytes
-from saguaro_vllm.resolve import resolve_device, resolve_kv_cache_gb
+from saguaro_vllm.frontend.resolve import resolve_device, resolve_kv_cache_gb
 
 GIB = 2**30
 
@@ -108,7 +108,7 @@ def test_ray_refusal_through_vllms_front_end(tiny_pair, monkeypatch):
         args.create_speculative_config(model_config, parallel("ray"))
     assert not multiprocessing.active_children()
     # mp: resolved (vLLM's own SpeculativeConfig is not built here: it would need a real parallel config)
-    from saguaro_vllm.resolve import resolve_for_engine
+    from saguaro_vllm.frontend.resolve import resolve_for_engine
 
     cfg = parse_speculative_config(spec)[0]
     resolved = resolve_for_engine(cfg, model_config, tp_size=2, is_cpu_platform=False, max_num_seqs=8,
@@ -125,8 +125,8 @@ RESOLVE = textwrap.dedent("""
 
     socket.socket.connect = socket.socket.connect_ex = no_network
     socket.create_connection = no_network
-    from saguaro_vllm.config import SaguaroConfigError
-    from saguaro_vllm.resolve import resolve_draft_path
+    from saguaro_vllm.frontend.config import SaguaroConfigError
+    from saguaro_vllm.frontend.resolve import resolve_draft_path
 
     results = []
     for model, revision, download_dir in json.loads(sys.argv[1]):

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_package_imports_without_vllm():
-    out = subprocess.run([sys.executable, "-c", "import sys, saguaro_vllm, saguaro_vllm.config, "
+    out = subprocess.run([sys.executable, "-c", "import sys, saguaro_vllm, saguaro_vllm.frontend.config, "
                           "saguaro_vllm.drafter.server; print('vllm' in sys.modules)"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"  # the drafter side never imports vLLM

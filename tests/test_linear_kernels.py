@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from saguaro_vllm.config import SaguaroConfigError, parse_speculative_config
+from saguaro_vllm.frontend.config import SaguaroConfigError, parse_speculative_config
 from saguaro_vllm.drafter.kv_cache import KVCacheConfig
 from saguaro_vllm.drafter.model import load_draft_model
 from saguaro_vllm.drafter.model import linear_kernels

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from saguaro_vllm.resolve import cpu_has_bf16_matmul
+from saguaro_vllm.frontend.resolve import cpu_has_bf16_matmul
 
 SCRIPT = r"""
 import os, threading, time, torch
-from saguaro_vllm.placement import pin_process
+from saguaro_vllm.shared.placement import pin_process
 stop = threading.Event()
 threads = [threading.Thread(target=stop.wait) for _ in range(3)]
 for t in threads: t.start()
@@ -53,8 +53,8 @@ def test_bf16_detection_reads_cpu_flags(tmp_path, flags, expected):
 
 def _placement(monkeypatch, cores: int, world: int, bind: str | None = None, **saguaro):
     """Resolve the placement as on a machine whose process may use cores 0..cores-1."""
-    from saguaro_vllm.config import parse_speculative_config
-    from saguaro_vllm.resolve import resolve_cpu_placement
+    from saguaro_vllm.frontend.config import parse_speculative_config
+    from saguaro_vllm.frontend.resolve import resolve_cpu_placement
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     if bind is None:
@@ -92,15 +92,15 @@ def test_a_binding_written_by_an_earlier_engine_is_not_taken_for_the_users(monke
     # where the user's own '0' is still an error naming the fix (below).
     monkeypatch.setenv("SAGUARO_SET_OMP_THREADS_BIND", "0")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
-    from saguaro_vllm.config import parse_speculative_config
-    from saguaro_vllm.resolve import resolve_cpu_placement
+    from saguaro_vllm.frontend.config import parse_speculative_config
+    from saguaro_vllm.frontend.resolve import resolve_cpu_placement
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     cfg = parse_speculative_config({"method": "saguaro", "model": "d", "num_speculative_tokens": 3})[0]
     p = resolve_cpu_placement(cfg, 2)
     assert p.ranks == [[0], [1]] and p.draft == [2, 3]
     monkeypatch.setenv("SAGUARO_SET_OMP_THREADS_BIND", "0,1")
-    from saguaro_vllm.config import SaguaroConfigError
+    from saguaro_vllm.frontend.config import SaguaroConfigError
 
     with pytest.raises(SaguaroConfigError, match="gives 1 core list"):
         resolve_cpu_placement(cfg, 2)
@@ -117,7 +117,7 @@ def test_a_binding_written_by_an_earlier_engine_is_not_taken_for_the_users(monke
     (4, 1, "0,1", {"target_cores": [2]}, r"target_cores: differs from VLLM_CPU_OMP_THREADS_BIND"),
 ])
 def test_impossible_placements_name_the_field_and_the_fix(monkeypatch, cores, world, bind, saguaro, message):
-    from saguaro_vllm.config import SaguaroConfigError
+    from saguaro_vllm.frontend.config import SaguaroConfigError
 
     with pytest.raises(SaguaroConfigError, match=message):
         _placement(monkeypatch, cores, world, bind, **saguaro)
@@ -138,8 +138,8 @@ def test_share_cores_lets_the_drafter_share_a_rank_core(monkeypatch):
 def test_auto_device_counts_tensor_times_pipeline_gpus(monkeypatch, count, tp, pp, expected):
     import torch
 
-    from saguaro_vllm.config import SaguaroConfigError, parse_speculative_config
-    from saguaro_vllm.resolve import resolve_device
+    from saguaro_vllm.frontend.config import SaguaroConfigError, parse_speculative_config
+    from saguaro_vllm.frontend.resolve import resolve_device
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     cfg = parse_speculative_config({"method": "saguaro", "model": "d", "num_speculative_tokens": 3})[0]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from saguaro_vllm.cli import main as cli_main
+from saguaro_vllm.tools.cli import main as cli_main
 from saguaro_vllm.drafter.kv_cache import KVCacheConfig
 from saguaro_vllm.drafter.model.loader import load_draft_model
 from saguaro_vllm.drafter.runner import DraftModelRunner
@@ -20,7 +20,7 @@ from saguaro_vllm.drafter.trace import WIDTH, TraceRecorder, read_trace
 from saguaro_vllm.projection.clocks import ModelClock, TraceClock
 from saguaro_vllm.projection.cost_model import CostModel, from_trace
 from saguaro_vllm.projection.replay import SSDReplay
-from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
+from saguaro_vllm.shared.transport import RowUpdate, SamplingSpec, StepRequest
 
 K = 4
 

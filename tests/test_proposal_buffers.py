@@ -1,4 +1,4 @@
-"""The proposal ring (saguaro_vllm/proposal_buffers.py): slot ownership within and across processes, the
+"""The proposal ring (saguaro_vllm/shared/proposal_buffers.py): slot ownership within and across processes, the
 dense assembly against the loop-built reference it replaced, and the batched sampling that writes q into it."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from saguaro_vllm import proposal_buffers
+from saguaro_vllm.shared import proposal_buffers
 from saguaro_vllm.drafter.sampling import sample_proposals, sample_rows
-from saguaro_vllm.proposal_buffers import (
+from saguaro_vllm.shared.proposal_buffers import (
     FREE,
     WRITING,
     ProposalRing,
@@ -23,7 +23,7 @@ from saguaro_vllm.proposal_buffers import (
     ring_bytes,
     ring_rows,
 )
-from saguaro_vllm.transport import SamplingSpec
+from saguaro_vllm.shared.transport import SamplingSpec
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_assembly_equals_the_loop_reference(seed, elsewhere, monkeypatch):
     """`elsewhere`: the target's device is not the slot's (a host ring feeding a CUDA target): the sampled
     rows move once and the one-hot rows are built on the target's side (taken on CPU by declaring the
     devices different)."""
-    from saguaro_vllm import proposal_buffers
+    from saguaro_vllm.shared import proposal_buffers
 
     if elsewhere:
         monkeypatch.setattr(proposal_buffers, "_same_device", lambda a, b: False)
@@ -127,7 +127,7 @@ def test_assembly_equals_the_loop_reference(seed, elsewhere, monkeypatch):
 
 CHILD = textwrap.dedent("""
     import sys, torch
-    from saguaro_vllm.proposal_buffers import ProposalRing, SlotWriter
+    from saguaro_vllm.shared.proposal_buffers import ProposalRing, SlotWriter
     ring = ProposalRing.attach(eval(sys.argv[1]))
     for line in sys.stdin:
         seq = int(line)
@@ -289,9 +289,9 @@ def test_drafter_and_proposer_cap_the_same_rows():
     import types
 
     from saguaro_vllm.drafter.sync_drafter import SyncDrafter
-    from saguaro_vllm.metrics import SaguaroMetrics, saguaro_samples
-    from saguaro_vllm.proposer import SaguaroProposer
-    from saguaro_vllm.transport import StepResponse
+    from saguaro_vllm.worker.metrics import SaguaroMetrics, saguaro_samples
+    from saguaro_vllm.worker.proposer import SaguaroProposer
+    from saguaro_vllm.shared.transport import StepResponse
 
     k, vocab = 2, 11
     ring = ProposalRing.create(rows=4, k=k, vocab=vocab)
@@ -359,7 +359,7 @@ def test_engine_with_a_small_ring_caps_sampled_rows_and_reports_the_ring(tiny_pa
 
 def test_transport_choice_host_unless_both_sides_are_cuda_and_reach_each_other():
     """`proposal_transport: auto`: the device ring only where the drafter's GPU can write the target's."""
-    from saguaro_vllm.proposal_buffers import transport_for
+    from saguaro_vllm.shared.proposal_buffers import transport_for
 
     yes, no = (lambda a, b: True), (lambda a, b: False)
     assert transport_for("cpu", "cpu") == "host"
@@ -385,7 +385,7 @@ def test_cuda_ipc_spec_round_trips_as_json(monkeypatch):
 
     import torch.multiprocessing.reductions as reductions
 
-    from saguaro_vllm.proposal_buffers import export_cuda_tensor, import_cuda_tensor
+    from saguaro_vllm.shared.proposal_buffers import export_cuda_tensor, import_cuda_tensor
 
     args = (torch.Tensor, torch.Size([2, 3, 5, 7]), (105, 35, 7, 1), 0, torch.UntypedStorage, torch.float32, 3,
             b"\x00\x01handle\xff", 840, 0, False, b"refcounter", 64, b"event\x00", True)
@@ -403,8 +403,9 @@ def test_cuda_ipc_spec_round_trips_as_json(monkeypatch):
 
 def test_front_end_checks_only_the_header_for_a_device_ring(monkeypatch):
     """With the slots in GPU memory, /dev/shm only holds the header page: a 64 MiB /dev/shm is enough."""
-    from saguaro_vllm import proposal_buffers, resolve
-    from saguaro_vllm.config import parse_speculative_config
+    from saguaro_vllm.shared import proposal_buffers
+    from saguaro_vllm.frontend import resolve
+    from saguaro_vllm.frontend.config import parse_speculative_config
 
     cfg = parse_speculative_config({"method": "saguaro", "model": "x", "num_speculative_tokens": 5,
                                     "saguaro": {"proposal_transport": "device"}})[0]
@@ -419,7 +420,7 @@ def test_front_end_checks_only_the_header_for_a_device_ring(monkeypatch):
 def test_put_rows_writes_each_row_where_its_q_goes(monkeypatch):
     """`put_rows` lands every (row, position) where `put` would, whether it copies row by row (q on the
     slot's device) or stacks and moves once (q elsewhere: taken on CPU by declaring the devices different)."""
-    from saguaro_vllm import proposal_buffers
+    from saguaro_vllm.shared import proposal_buffers
 
     ring = ProposalRing.create(rows=4, k=3, vocab=11)
     try:

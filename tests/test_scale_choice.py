@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from saguaro_vllm.drafter.scale_choice import ARMS, ScaleChoice, temperature_bucket
-from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
+from saguaro_vllm.shared.transport import RowUpdate, SamplingSpec, StepRequest
 
 
 def play(choice: ScaleChoice, world: dict[float, tuple[float, float]], rounds: int, rng: random.Random,

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from saguaro_vllm.metrics import SaguaroMetrics
-from saguaro_vllm.speculation_watch import SpeculationWatch
+from saguaro_vllm.worker.metrics import SaguaroMetrics
+from saguaro_vllm.worker.speculation_watch import SpeculationWatch
 
 
 def test_stalls_once_below_the_share_and_resumes_once_above_the_other():

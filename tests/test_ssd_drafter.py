@@ -15,7 +15,7 @@ from saguaro_vllm.drafter.kv_cache import KVCacheConfig
 from saguaro_vllm.drafter.model.loader import load_draft_model
 from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.ssd_drafter import SSDDrafter
-from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
+from saguaro_vllm.shared.transport import RowUpdate, SamplingSpec, StepRequest
 
 from test_sync_drafter import greedy_continuation, make_ring, ring_probs
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from saguaro_vllm.config import SaguaroOptions
+from saguaro_vllm.frontend.config import SaguaroOptions
 from saguaro_vllm.drafter.attention import reference_paged_attention
 from saguaro_vllm.drafter.block_rows import BlockRows
 from saguaro_vllm.drafter.kv_cache import BlockAllocator, BlockTable, KVCacheConfig
@@ -257,7 +257,7 @@ def _ssd_rounds(model, **runner_kw):
     """Two greedy `mode: async` rounds at batch 5 (pre-draft with 8 branches per row, then half the rows hit
     and half miss): every answer's drafts and row statuses, and the runner."""
     from saguaro_vllm.drafter.ssd_drafter import SSDDrafter
-    from saguaro_vllm.transport import RowUpdate, StepRequest
+    from saguaro_vllm.shared.transport import RowUpdate, StepRequest
 
     runner = DraftModelRunner(model, KVCacheConfig(num_blocks=512, block_size=16), **runner_kw)
     drafter = SSDDrafter(runner, vocab_size=model.config.vocab_size, options={"backup": "jit", "fanout_budget": 8})

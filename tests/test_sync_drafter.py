@@ -15,8 +15,8 @@ from saguaro_vllm.drafter.kv_cache import KVCacheConfig
 from saguaro_vllm.drafter.model.loader import load_draft_model
 from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.sync_drafter import SyncDrafter
-from saguaro_vllm.proposal_buffers import ProposalRing
-from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
+from saguaro_vllm.shared.proposal_buffers import ProposalRing
+from saguaro_vllm.shared.transport import RowUpdate, SamplingSpec, StepRequest
 
 K = 4
 
@@ -138,7 +138,7 @@ def test_drafter_process_restarts_after_a_crash(client_cfg, tiny_pair):
     import logging
 
     from saguaro_vllm.drafter.model.loader import read_model_info
-    from saguaro_vllm.drafter_client import DrafterClient, DrafterUnavailable
+    from saguaro_vllm.worker.drafter_client import DrafterClient, DrafterUnavailable
 
     client_cfg["vocab_size"] = read_model_info(tiny_pair[1]).vocab_size
     client = DrafterClient(client_cfg, logging.getLogger("test"))
@@ -167,7 +167,7 @@ def test_drafter_process_restarts_after_a_crash(client_cfg, tiny_pair):
 def test_drafter_that_cannot_load_disables_speculation(client_cfg, tmp_path):
     import logging
 
-    from saguaro_vllm.drafter_client import DrafterClient, DrafterUnavailable
+    from saguaro_vllm.worker.drafter_client import DrafterClient, DrafterUnavailable
 
     client_cfg["draft_path"] = str(tmp_path)  # no model there
     client = DrafterClient(client_cfg, logging.getLogger("test"))
@@ -180,7 +180,7 @@ def test_drafter_that_cannot_load_disables_speculation(client_cfg, tmp_path):
 def test_sampled_q_is_written_in_place_once_per_position(draft_model, monkeypatch):
     """`mode: sync` writes each draft position's q' of all sampled rows into the ring slot with one batched
     write (no per-row copies at publish), and the slot holds exactly the softmax the tokens were drawn from."""
-    from saguaro_vllm.proposal_buffers import SlotWriter
+    from saguaro_vllm.shared.proposal_buffers import SlotWriter
 
     calls = {"put": 0, "put_positions": 0}
     for name in calls:
@@ -207,7 +207,7 @@ def test_sampled_q_is_written_in_place_once_per_position(draft_model, monkeypatc
 
 
 def test_slot_writer_compacts_rows_cut_after_writing(draft_model):
-    from saguaro_vllm.proposal_buffers import SlotWriter
+    from saguaro_vllm.shared.proposal_buffers import SlotWriter
 
     ring = make_ring(draft_model, rows=4)
     writer = SlotWriter(ring, seq=1)

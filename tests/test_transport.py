@@ -15,8 +15,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from saguaro_vllm.drafter_policy import ResyncBackoff, RestartPolicy, StepDeadline, process_progress
-from saguaro_vllm.transport import (
+from saguaro_vllm.worker.drafter_policy import ResyncBackoff, RestartPolicy, StepDeadline, process_progress
+from saguaro_vllm.shared.transport import (
     Channel,
     Failed,
     MessageRejected,

@@ -73,7 +73,7 @@ def read_committed_tokens(worker: Any) -> dict[str, list[int]]:
 
 def read_saguaro_samples(worker: Any) -> dict[str, float]:
     """collective_rpc: Saguaro's Prometheus samples in this worker's process (the proposer lives there)."""
-    from saguaro_vllm.metrics import saguaro_samples
+    from saguaro_vllm.worker.metrics import saguaro_samples
 
     return saguaro_samples()
 

@@ -24,7 +24,7 @@ import torch
 from saguaro_vllm.ops import proposal_probs
 
 if TYPE_CHECKING:  # annotations only: the op tests import this module where pyzmq may be missing
-    from saguaro_vllm.transport import SamplingSpec
+    from saguaro_vllm.shared.transport import SamplingSpec
 
 
 def sample_proposals(logits: torch.Tensor, specs: Sequence[SamplingSpec],

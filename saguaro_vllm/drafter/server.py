@@ -23,8 +23,8 @@ import traceback
 
 import torch
 
-from saguaro_vllm.proposal_buffers import ProposalRing
-from saguaro_vllm.transport import (
+from saguaro_vllm.shared.proposal_buffers import ProposalRing
+from saguaro_vllm.shared.transport import (
     DEVICE_ERROR_EXIT,
     Channel,
     Failed,
@@ -56,7 +56,7 @@ def place_process(cfg: dict) -> None:
     """Pin this process to its own cores (CPU drafter) and size torch's thread pool to them."""
     cores = cfg.get("draft_cores") or []
     if cfg["device"] == "cpu" and cores:
-        from saguaro_vllm.placement import pin_process
+        from saguaro_vllm.shared.placement import pin_process
 
         pin_process(cores)
     elif cfg["device"].startswith("cuda"):

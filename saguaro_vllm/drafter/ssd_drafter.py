@@ -37,7 +37,7 @@ from saguaro_vllm.drafter.scale_choice import ScaleChoice, temperature_bucket
 from saguaro_vllm.drafter.spec_cache import SpeculationCache
 from saguaro_vllm.drafter.sync_drafter import NO_ROOM, SyncDrafter, _ReqState
 from saguaro_vllm.drafter.trace import rank_of
-from saguaro_vllm.transport import StepRequest, StepResponse
+from saguaro_vllm.shared.transport import StepRequest, StepResponse
 
 logger = logging.getLogger("saguaro_vllm.drafter")
 

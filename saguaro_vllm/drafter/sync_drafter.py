@@ -20,8 +20,8 @@ from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.sampling import request_generator, sample_proposals
 from saguaro_vllm.drafter.spec_cache import derive_outcome
 from saguaro_vllm.drafter.trace import TraceRecorder
-from saguaro_vllm.proposal_buffers import ProposalRing, SlotWriter, fit_rows
-from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest, StepResponse
+from saguaro_vllm.shared.proposal_buffers import ProposalRing, SlotWriter, fit_rows
+from saguaro_vllm.shared.transport import RowUpdate, SamplingSpec, StepRequest, StepResponse
 
 logger = logging.getLogger("saguaro_vllm.drafter")
 

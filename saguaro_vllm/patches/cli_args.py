@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 
-from saguaro_vllm.config import load_speculative_config_arg
+from saguaro_vllm.frontend.config import load_speculative_config_arg
 from saguaro_vllm.patches import vllm_patch
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from saguaro_vllm.config import (
+from saguaro_vllm.frontend.config import (
     ADDITIONAL_CONFIG_KEY,
     PROPOSER_CLASS,
     SaguaroConfigError,
@@ -28,14 +28,14 @@ def wrap_create_speculative_config(original):
     def create_speculative_config(self, target_model_config, target_parallel_config):
         raw = self.speculative_config
         if isinstance(raw, str):
-            from saguaro_vllm.config import load_speculative_config_arg
+            from saguaro_vllm.frontend.config import load_speculative_config_arg
 
             raw = self.speculative_config = load_speculative_config_arg(raw)
         if not isinstance(raw, dict) or raw.get("method") != "saguaro":
             return original(self, target_model_config, target_parallel_config)
         from vllm.platforms import current_platform
 
-        from saguaro_vllm.resolve import resolve_for_engine
+        from saguaro_vllm.frontend.resolve import resolve_for_engine
 
         cfg, passed_through = parse_speculative_config(raw)
         resolved = resolve_for_engine(
@@ -61,7 +61,7 @@ def wrap_create_speculative_config(original):
             "method": "custom_class",
             "model": PROPOSER_CLASS,
             "num_speculative_tokens": cfg.num_speculative_tokens,
-            **passed_through,  # vLLM keys that work with custom_class (saguaro_vllm/vllm_spec_keys.py)
+            **passed_through,  # vLLM keys that work with custom_class (saguaro_vllm/frontend/vllm_spec_keys.py)
         }
         try:
             return original(self, target_model_config, target_parallel_config)

@@ -50,7 +50,7 @@ def measure_draft(draft: str, rows_list: list[int], prefix: int = 256, reps: int
     import torch
 
     if core is not None:
-        from saguaro_vllm.placement import pin_process
+        from saguaro_vllm.shared.placement import pin_process
 
         pin_process([core])
 
@@ -60,7 +60,7 @@ def measure_draft(draft: str, rows_list: list[int], prefix: int = 256, reps: int
     from saguaro_vllm.drafter.runner import DraftModelRunner
 
     if dtype == "auto":  # the drafter's own choice on a CPU (config.py: `dtype`)
-        from saguaro_vllm.resolve import cpu_has_bf16_matmul
+        from saguaro_vllm.frontend.resolve import cpu_has_bf16_matmul
 
         dtype = "bfloat16" if device == "cpu" and cpu_has_bf16_matmul() else "float32"
     kind = resolve_linear(linear, device, dtype)

@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from saguaro_vllm.config import ADDITIONAL_CONFIG_KEY
-from saguaro_vllm.drafter_client import DrafterClient, DrafterUnavailable
-from saguaro_vllm.drafter_policy import ResyncBackoff
-from saguaro_vllm.metrics import SaguaroMetrics
-from saguaro_vllm.proposal_buffers import ProposalRing, assemble, draft_positions, fit_rows, ring_rows, transport_for
-from saguaro_vllm.transport import RowUpdate, SamplingSpec, StepRequest
+from saguaro_vllm.frontend.config import ADDITIONAL_CONFIG_KEY
+from saguaro_vllm.worker.drafter_client import DrafterClient, DrafterUnavailable
+from saguaro_vllm.worker.drafter_policy import ResyncBackoff
+from saguaro_vllm.worker.metrics import SaguaroMetrics
+from saguaro_vllm.shared.proposal_buffers import ProposalRing, assemble, draft_positions, fit_rows, ring_rows, transport_for
+from saguaro_vllm.shared.transport import RowUpdate, SamplingSpec, StepRequest
 
 
 def sampling_spec(params: Any) -> SamplingSpec:
@@ -117,8 +117,8 @@ class SaguaroProposer:
         return rank_cores[get_world_group().local_rank]
 
     def _pin_target(self, cores: list[int]) -> None:
-        """CPU: keep the whole target worker on its cores (saguaro_vllm/placement.py says why)."""
-        from saguaro_vllm.placement import pin_process
+        """CPU: keep the whole target worker on its cores (saguaro_vllm/shared/placement.py says why)."""
+        from saguaro_vllm.shared.placement import pin_process
 
         stuck = pin_process(cores)
         self.logger.info("Saguaro: target worker pinned to cores %s (%d torch threads)%s", cores, len(cores),

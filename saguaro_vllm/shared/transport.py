@@ -24,7 +24,7 @@ import numpy as np
 try:
     import msgspec
 except ImportError:  # the drafter driven in-process without msgspec (plain_structs.py says what works)
-    from saguaro_vllm import plain_structs as msgspec
+    from saguaro_vllm.shared import plain_structs as msgspec
 try:
     import zmq
 except ImportError:  # only `Channel` needs pyzmq; the messages and checks work without it
@@ -111,7 +111,7 @@ class StepResponse(msgspec.Struct, tag="reply", forbid_unknown_fields=True):
     row_depth: list[int] = []
     #: `mode: async` only: `ssd_drafter.SSDStats` of this step, as a dict.
     ssd: dict[str, Union[bool, int, float, str]] | None = None
-    #: The proposal-ring slot (saguaro_vllm/proposal_buffers.py) holding the sampled rows' q (-1: none), and
+    #: The proposal-ring slot (saguaro_vllm/shared/proposal_buffers.py) holding the sampled rows' q (-1: none), and
     #: for each of its rows, in order, the row of `drafts` it belongs to (q for all of that row's drafts).
     probs_slot: int = -1
     probs_rows: list[NonNegInt] = []

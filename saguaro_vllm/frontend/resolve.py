@@ -13,7 +13,7 @@ import os
 import pathlib
 from typing import Any
 
-from saguaro_vllm.config import SaguaroConfig, SaguaroConfigError
+from saguaro_vllm.frontend.config import SaguaroConfig, SaguaroConfigError
 
 SUPPORTED_DRAFT_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 logger = logging.getLogger("vllm.saguaro")
@@ -449,7 +449,7 @@ def resolve_proposal_ring(cfg: SaguaroConfig, vocab_size: int, max_num_seqs: int
     in /dev/shm, else in the temp dir (a disk-backed file: a start-up warning), else the config is refused,
     naming the size, the space and the fixes. With `transport` "device" the slots are GPU memory and the
     file holds only their header. Returns `{"dir", "rows", "bytes"}` (dir None: no ring)."""
-    from saguaro_vllm.proposal_buffers import SHM_DIR, gib, ring_bytes, ring_dir, ring_rows, shortage_message
+    from saguaro_vllm.shared.proposal_buffers import SHM_DIR, gib, ring_bytes, ring_dir, ring_rows, shortage_message
 
     k = cfg.num_speculative_tokens
     rows = ring_rows(cfg.saguaro.max_sampled_rows, max_num_seqs if max_num_seqs is not None else 2**31)
@@ -476,7 +476,7 @@ def _ring_transport(cfg: SaguaroConfig, draft_device: str, is_cpu_platform: bool
     (vLLM forks its engine from here): `auto` with a CUDA drafter counts on peer access between the GPUs
     (NVLink or PCIe P2P, the rule on multi-GPU servers); where the proposer finds none it falls back to the
     host ring and checks /dev/shm itself, refusing to start with the same message if it cannot hold it."""
-    from saguaro_vllm.proposal_buffers import transport_for
+    from saguaro_vllm.shared.proposal_buffers import transport_for
 
     choice = cfg.saguaro.proposal_transport
     if is_cpu_platform or choice == "host":

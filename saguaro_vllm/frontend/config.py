@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-PROPOSER_CLASS = "saguaro_vllm.proposer.SaguaroProposer"
+PROPOSER_CLASS = "saguaro_vllm.worker.proposer.SaguaroProposer"
 ADDITIONAL_CONFIG_KEY = "saguaro"
 MAX_SPECULATIVE_TOKENS = 32
 #: Options of `mode: "async"` (SSD) only: giving one with `mode: "sync"` is an error, not silently ignored.
@@ -415,7 +415,7 @@ def _normalized(obj: dict[str, Any], where: str, errors: list[str]) -> dict[str,
 def parse_speculative_config(raw: dict[str, Any]) -> tuple[SaguaroConfig, dict[str, Any]]:
     """Validate the raw speculative-config dict of `method: "saguaro"`: (the Saguaro config, the vLLM keys
     to pass through to vLLM's own config). Raises one SaguaroConfigError listing every bad field."""
-    from saguaro_vllm.vllm_spec_keys import split_vllm_keys
+    from saguaro_vllm.frontend.vllm_spec_keys import split_vllm_keys
 
     errors: list[str] = []
     data = _normalized(raw, "speculative_config", errors)

@@ -33,9 +33,9 @@ import sys
 import time
 import weakref
 
-from saguaro_vllm.drafter_policy import RestartPolicy, StepDeadline, process_progress
-from saguaro_vllm.metrics import SaguaroMetrics
-from saguaro_vllm.transport import (
+from saguaro_vllm.worker.drafter_policy import RestartPolicy, StepDeadline, process_progress
+from saguaro_vllm.worker.metrics import SaguaroMetrics
+from saguaro_vllm.shared.transport import (
     CONTROL_MAX_BYTES,
     DEVICE_ERROR_EXIT,
     Channel,

@@ -16,7 +16,7 @@ Run = Callable[[argparse.Namespace], int]
 
 
 def _add_make_demo_pair(p: argparse.ArgumentParser) -> None:
-    from .demo.build import DEFAULT_DRAFT_SCALE, DEFAULT_MINUTES, DEFAULT_TARGET_SCALE
+    from saguaro_vllm.demo.build import DEFAULT_DRAFT_SCALE, DEFAULT_MINUTES, DEFAULT_TARGET_SCALE
 
     p.add_argument("--out", help="output directory (default: a settings-keyed directory under "
                    "$SAGUARO_VLLM_CACHE or ~/.cache/saguaro-vllm/); reused if it already holds this pair")
@@ -43,11 +43,11 @@ def _add_make_demo_pair(p: argparse.ArgumentParser) -> None:
 
 
 def _run_make_demo_pair(args: argparse.Namespace) -> int:
-    from .demo.build import DRAFT_SHAPE, TARGET_SHAPE, ensure_demo_pair
-    from .demo.corpus import CorpusError
-    from .demo.model import ModelShape
-    from .demo.pipeline import summary
-    from .demo.storage import DemoPairError
+    from saguaro_vllm.demo.build import DRAFT_SHAPE, TARGET_SHAPE, ensure_demo_pair
+    from saguaro_vllm.demo.corpus import CorpusError
+    from saguaro_vllm.demo.model import ModelShape
+    from saguaro_vllm.demo.pipeline import summary
+    from saguaro_vllm.demo.storage import DemoPairError
 
     try:
         pair = ensure_demo_pair(
@@ -87,7 +87,7 @@ def _add_demo(p: argparse.ArgumentParser) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .demo_run import REPO_CONFIG, run_demo
+    from saguaro_vllm.tools.demo_run import REPO_CONFIG, run_demo
 
     return run_demo(Path(args.config) if args.config else REPO_CONFIG, max_tokens=args.max_tokens,
                     num_prompts=args.prompts)
@@ -101,7 +101,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     import subprocess
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
     if not script.exists():
         print(f"saguaro-vllm bench: {script} not found; the benchmarks ship with the source checkout "
               "(pip install -e . from a clone of the repository)", file=sys.stderr)
@@ -121,7 +121,7 @@ def _add_project(p: argparse.ArgumentParser) -> None:
 
 
 def _run_project(args: argparse.Namespace) -> int:
-    from .projection.project import format_report, run_project
+    from saguaro_vllm.projection.project import format_report, run_project
 
     try:
         sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
@@ -148,7 +148,7 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
-    from .projection.calibrate import calibrate
+    from saguaro_vllm.projection.calibrate import calibrate
 
     try:
         cost = calibrate(args.out, args.draft, args.verify_curve, args.from_trace,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEMO_LINK = Path("~/.cache/saguaro-vllm/demo").expanduser()
-REPO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "saguaro-cpu-demo.json"
+REPO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "saguaro-cpu-demo.json"
 TEMPERATURES = (0.0, 0.7)
 SERVE_ARGS = ["--served-model-name", "demo", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
               "--max-num-seqs", "4"]
@@ -36,7 +36,7 @@ def link_demo_pair(root: Path) -> Path:
 
 def metric_values(text: str) -> dict[str, float]:
     """Sum each sample name of a Prometheus text page over its labels."""
-    from saguaro_vllm.server_process import metric_samples, metric_totals
+    from saguaro_vllm.tools.server_process import metric_samples, metric_totals
 
     return metric_totals(metric_samples(text))
 
@@ -122,7 +122,7 @@ def _serve(target: Path, args: list[str], prompts: list[str], max_tokens: int, l
            cpus: list[int] | None) -> list[Phase]:
     import openai
 
-    from saguaro_vllm.server_process import VLLMServer
+    from saguaro_vllm.tools.server_process import VLLMServer
 
     log = tmp / f"{label.replace(' ', '-')}.log"
     server = VLLMServer(str(target), args, log_path=str(log), prometheus_multiproc=True, cpus=cpus,
@@ -150,7 +150,7 @@ def _serve(target: Path, args: list[str], prompts: list[str], max_tokens: int, l
 
 def run_demo(config: Path = REPO_CONFIG, max_tokens: int = 64, num_prompts: int = 2) -> int:
     from saguaro_vllm.demo.build import ensure_demo_pair
-    from saguaro_vllm.placement import current_cores
+    from saguaro_vllm.shared.placement import current_cores
 
     pair = ensure_demo_pair(cost_matched=True)
     link = link_demo_pair(pair.root)

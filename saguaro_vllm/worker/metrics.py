@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from saguaro_vllm.speculation_watch import SpeculationWatch
+from saguaro_vllm.worker.speculation_watch import SpeculationWatch
 
 try:
     import prometheus_client
@@ -336,7 +336,7 @@ class SaguaroMetrics:
             self.prom["restarts"].inc()
 
     def on_drafter_state(self, state: str) -> None:
-        from saguaro_vllm.drafter_client import STATES
+        from saguaro_vllm.worker.drafter_client import STATES
 
         self.drafter_state = state
         self.prom = _prometheus()
