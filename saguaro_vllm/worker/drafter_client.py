@@ -34,6 +34,7 @@ import time
 import weakref
 
 from saguaro_vllm.worker.drafter_policy import RestartPolicy, StepDeadline, process_progress
+from saguaro_vllm.worker.drafter_states import DISABLED, LATE, READY, RESTARTING, STARTING, STATES  # noqa: F401
 from saguaro_vllm.worker.metrics import SaguaroMetrics
 from saguaro_vllm.shared.transport import (
     CONTROL_MAX_BYTES,
@@ -52,8 +53,6 @@ from saguaro_vllm.shared.transport import (
     reply_size_limit,
 )
 
-STARTING, READY, LATE, RESTARTING, DISABLED = "starting", "ready", "late", "restarting", "disabled"
-STATES = (STARTING, READY, LATE, RESTARTING, DISABLED)
 SERVER_MODULE = "saguaro_vllm.drafter.server"
 KILL_GRACE_S = 1.0  # SIGTERM -> SIGKILL
 BUSY_CPU_FRACTION = 0.02  # a late drafter using less CPU than this share of a second is hung

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from saguaro_vllm.worker.drafter_states import STATES
 from saguaro_vllm.worker.speculation_watch import SpeculationWatch
 
 try:
@@ -336,8 +337,6 @@ class SaguaroMetrics:
             self.prom["restarts"].inc()
 
     def on_drafter_state(self, state: str) -> None:
-        from saguaro_vllm.worker.drafter_client import STATES
-
         self.drafter_state = state
         self.prom = _prometheus()
         if self.prom:
