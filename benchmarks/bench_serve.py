@@ -92,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--client", choices=["cli", "reuse"], default="cli",
                    help="cli: each run a fresh `vllm bench serve` process; reuse: the same arguments through "
                         "vLLM's bench parser and main in one process per engine (no vLLM import per run)")
+    p.add_argument("--extend", type=Path, metavar="RESULT_JSON",
+                   help="add this run's cases to an earlier result of the same settings (same pair, K, lengths, "
+                        "requests, client) instead of writing a new one; each run keeps its own load average")
     p.add_argument("--client-worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.engines = a.engines.split(",")
@@ -182,6 +185,31 @@ def merge(runs: list[dict]) -> dict[str, dict]:
     for r in runs:
         out.setdefault(f"{r['dataset']}|T{r['temperature']:g}|c{r['concurrency']}", {})[r["engine"]] = r["row"]
     return out
+
+
+#: Settings two results must share before one may extend the other (they change every figure).
+SAME_SETTINGS = ("k", "output_len", "random_input_len", "requests", "seed", "max_model_len", "client")
+
+
+def extend_result(old: dict, new: dict) -> dict:
+    """`old` with `new`'s runs added (a run of the same engine, dataset, T and concurrency replaced), its cases
+    and concurrencies joined, and `new`'s command, date, load and runtime kept under `extended`."""
+    for key in ("target", "draft", "placement"):
+        if old[key] != new[key]:
+            raise SystemExit(f"--extend: {key} differs ({old[key]!r} there, {new[key]!r} here)")
+    for key in SAME_SETTINGS:
+        if old["settings"].get(key) != new["settings"].get(key):
+            raise SystemExit(f"--extend: setting {key} differs ({old['settings'].get(key)!r} there, "
+                             f"{new['settings'].get(key)!r} here); rerun with the earlier result's settings")
+    key = lambda r: (r["engine"], r["dataset"], r["temperature"], r["concurrency"])  # noqa: E731
+    fresh = {key(r) for r in new["runs"]}
+    runs = [r for r in old["runs"] if key(r) not in fresh] + new["runs"]
+    settings = dict(old["settings"])
+    for name in ("cases", "concurrency", "datasets", "temperatures"):
+        settings[name] = list(dict.fromkeys([*old["settings"][name], *new["settings"][name]]))
+    extended = [*old.get("extended", []), {k: new[k] for k in ("date", "command", "note", "load_avg", "runtime_s")}
+                | {"cases": new["settings"]["cases"], "result_dir": new["result_dir"]}]
+    return old | {"settings": settings, "runs": runs, "summary": merge(runs), "extended": extended}
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -385,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs, "summary": merge(runs),
     }
     path = RESULTS / f"{date:%Y-%m-%d}-serve-{a.label}.json"
+    if a.extend:
+        path = a.extend
+        out = extend_result(json.loads(path.read_text()), out)
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path} ({len(runs)} runs, {out['runtime_s']:.0f} s); vLLM's result JSONs in {result_dir}")
     return 0

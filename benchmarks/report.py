@@ -460,6 +460,9 @@ def serve_section(data: dict) -> list[str]:
            f"{m['cpu']}, {m['cpus']} cores; load average {data['load_avg']['start'][0]:.1f} at the start, "
            f"{data['load_avg']['end'][0]:.1f} at the end. {data.get('note') or ''}", "",
            f"- command: `{data['command']}` ({data['runtime_s'] / 60:.0f} min)",
+           *(f"- added later ({e['date'][:16].replace('T', ' ')} UTC, load average {e['load_avg']['start'][0]:.1f} at "
+             f"its start, cases {', '.join(e['cases'])}): `{e['command']}` ({e['runtime_s'] / 60:.0f} min). "
+             f"{e.get('note') or ''}".rstrip() for e in data.get("extended", [])),
            "- TTFT, TPOT (per request, excluding the first token), ITL (between streamed chunks: a chunk carries "
            "every token of a verification) in ms, p50 / p99; output tok/s over the run; acceptance from the "
            "server's spec-decode counters (vLLM's result JSON); hit rate: SSD's speculation cache, from "

@@ -365,3 +365,22 @@ def test_bench_serve_report_section_and_tpot_plot(tmp_path, monkeypatch):
             f"| {ssd['spec_decode_acceptance_length']:.2f} | {ssd['hit_rate']:.3f} | - |") in text
     assert "| corpus | 0 | 1 | vLLM AR |" in text and "Failed requests: 0 of 16" in text and "noisy" in text
     assert (tmp_path / "img" / "serve-unit-tpot.png").stat().st_size > 1000 and "img/serve-unit-tpot.png" in text
+
+    # --extend: a later run of another case joins the result; a run of the same cell replaces the old one
+    later = [dict(r, dataset="random", temperature=0.7) for r in runs[:2]] + [dict(runs[3], num_prompts=99)]
+    new = data | {"date": "2026-12-06T05:00:00+00:00", "command": "benchmarks/bench_serve.py --cases random:0.7",
+                  "load_avg": {"start": [1.5], "end": [1.0]}, "runtime_s": 60, "note": "",
+                  "settings": data["settings"] | {"cases": ["random:0.7", "corpus:0"], "datasets": ["random", "corpus"],
+                                                  "temperatures": [0.7, 0.0]},
+                  "runs": later, "summary": bs.merge(later)}
+    data["settings"]["cases"] = ["corpus:0"]
+    both = bs.extend_result(data, new)
+    assert set(both["summary"]) == {"corpus|T0|c1", "corpus|T0|c4", "random|T0.7|c1", "random|T0.7|c4"}
+    replaced = [r["num_prompts"] for r in both["runs"] if (r["engine"], r["dataset"], r["concurrency"]) ==
+                ("saguaro-async", "corpus", 4)]
+    assert len(both["runs"]) == 6 and replaced == [99]
+    assert both["settings"]["cases"] == ["corpus:0", "random:0.7"] and both["settings"]["datasets"] == ["corpus", "random"]
+    assert "| random | 0.7 | 4 | vLLM AR |" in "\n".join(report.serve_section(both))
+    assert "added later (2026-12-06 05:00 UTC, load average 1.5" in "\n".join(report.serve_section(both))
+    with pytest.raises(SystemExit, match="setting output_len differs"):
+        bs.extend_result(data, new | {"settings": new["settings"] | {"output_len": 32}})
