@@ -10,6 +10,10 @@ hit rate and the fan-out budgets it chose, and the issue's bars (SSD >= 1.4x `sy
 
     .venv/bin/python benchmarks/project_gpu.py                              # the stored traces, every model
     .venv/bin/python benchmarks/project_gpu.py --traces DIR --models h100-70b-tp4-1b
+
+SSD replays each trace's recorded options except the policy defaults in POLICY_DEFAULTS, which take
+today's defaults (the stored traces were recorded under the defaults of their day: `max_fanout_budget` 32,
+64 since 2026-12-06); `--recorded-options` replays the recorded ones.
 """
 from __future__ import annotations
 
@@ -26,10 +30,13 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from saguaro_vllm.drafter.trace import read_trace  # noqa: E402
+from saguaro_vllm.frontend.config import SaguaroOptions  # noqa: E402
 from saguaro_vllm.projection.cost_model import CostModel  # noqa: E402
 from saguaro_vllm.projection.project import project_trace  # noqa: E402
 
 TRACES = ROOT / "results" / "traces" / "2026-12-06-demo-pair-b1-256"
+#: Options the projection takes at today's defaults rather than as recorded.
+POLICY_DEFAULTS = {name: SaguaroOptions.model_fields[name].default for name in ("max_fanout_budget",)}
 BARS = {"ssd_over_sync_b1": {0.0: 1.4, 1.0: 1.25}, "hit_rate_b1": {0.0: 0.8, 1.0: 0.6}}
 
 
@@ -54,6 +61,8 @@ def main() -> None:
     p.add_argument("--models", default="", help="cost model stems under benchmarks/cost_models/ (default: all)")
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--label", default="gpu")
+    p.add_argument("--recorded-options", action="store_true",
+                   help="replay the traces' recorded options (default: POLICY_DEFAULTS at today's defaults)")
     a = p.parse_args()
     models = sorted((ROOT / "cost_models").glob("*.json"))
     models = [m for m in models if m.stem != "authors-check" and (not a.models or m.stem in a.models.split(","))]
@@ -68,7 +77,7 @@ def main() -> None:
             header, steps = read_trace(trace)
             temps = collections.Counter(r.get("temp", 0.0) for s in steps for r in s["rows"])
             temp = temps.most_common(1)[0][0] if temps else 0.0  # the run's (a warm-up request may differ)
-            report = project_trace(trace, cost, batches)
+            report = project_trace(trace, cost, batches, options=None if a.recorded_options else POLICY_DEFAULTS)
             rows: dict[int, dict[str, dict]] = {}
             for row in report["projected"]:
                 rows.setdefault(row["batch"], {})[row["engine"]] = row
@@ -82,7 +91,8 @@ def main() -> None:
         "kind": "projection", "date": date, "command": " ".join(["python"] + sys.argv),
         "note": "a projection under cost models from public figures, not a measurement; traces recorded on the "
                 "2-core CPU machine with the cost-matched demo pair (batch 1, 256 tokens, K=5)",
-        "traces": a.traces, "authors_check": json.loads(authors.read_text()) if authors.exists() else None,
+        "traces": a.traces, "options": "as recorded" if a.recorded_options else POLICY_DEFAULTS,
+        "authors_check": json.loads(authors.read_text()) if authors.exists() else None,
         "results": results}, indent=1) + "\n")
     for r in results:
         b = r["bars"]

@@ -150,8 +150,8 @@ def test_replay_under_a_cost_model_runs_the_policy(ssd_trace):
 
 def test_replay_follows_the_cost_model(ssd_trace):
     """The same trace under GPU-like costs (a draft forward nearly free of its rows): the planner fills its
-    largest budget (32 branches) and the cache hits more than on this machine; with the recorded times
-    shrunk, the replay no longer repeats the live decisions (the test above can fail)."""
+    largest budget (64 branches, max_fanout_budget) and the cache hits more than on this machine; with the
+    recorded times shrunk, the replay no longer repeats the live decisions (the test above can fail)."""
     from saguaro_vllm.drafter.predictor import StepCostModel
 
     path, statuses = ssd_trace
@@ -160,7 +160,7 @@ def test_replay_follows_the_cost_model(ssd_trace):
                     {}, "gpu-like")
     result = SSDReplay(header, steps, ModelClock(gpu)).run()
     live = SSDReplay(header, steps, TraceClock(steps)).run()
-    assert result.budgets.most_common(1)[0][0] == 32
+    assert result.budgets.most_common(1)[0][0] == 64
     assert result.hit_rate > live.hit_rate
     shrunk = [{**s, "verify_s": 0.2 * s.get("verify_s", 0.0)} for s in steps]
     assert [s["status"] for s in SSDReplay(header, shrunk, TraceClock(shrunk)).run().per_step] != statuses
@@ -212,3 +212,59 @@ def test_cost_model_needs_sources_and_interpolates():
                    {**obj, "overheads": {"made_up_s": {"value": 1, "source": "x"}}}):
         with pytest.raises(ValueError):
             CostModel.from_json(broken)
+
+
+def _b1_steps(n: int) -> list[dict]:
+    """A batch-1 trace without timings: a new request (a 7-token prompt), then neural rounds whose accepted
+    count cycles through 0..5."""
+    steps = [{"step": 0, "rows": [{"id": "r", "st": "new", "new": 1, "feed": 7, "want": 5, "nd": 5}]}]
+    for i in range(1, n):
+        steps.append({"step": i, "rows": [{"id": "r", "st": "jit", "a": i % 6, "k": 5, "rank": 0, "new": i % 6 + 1,
+                                           "fast": False, "want": 5, "nd": 5, "served": 5}]})
+    return steps
+
+
+def test_tile_gives_a_steps_rows_the_outcomes_of_other_steps():
+    """A batch tiled from a batch-1 trace: each copy runs the trace from another step, so one step's rows do
+    not all share one outcome (with 64 copies of one outcome per step, one step of a=0 read as acceptance
+    0.00 and SSD projected at 0.67x `sync` at batch 64, T=1); each copy is one request per pass."""
+    from saguaro_vllm.projection.engines import tile
+
+    steps = _b1_steps(12)
+    tiled = tile(steps, 4)
+    assert len(tiled) == 12 and all(len(s["rows"]) == 4 for s in tiled)
+    assert all(len({r.get("a") for r in s["rows"]}) > 1 for s in tiled)
+    for s in tiled:
+        assert len({r["id"] for r in s["rows"]}) == 4
+    copy1 = [next(r for r in s["rows"] if r["id"].startswith("r#1")) for s in tiled]  # starts 3 steps in
+    assert [r.get("a") for r in copy1] == [3, 4, 5, 0, 1, 2, 3, 4, 5, None, 1, 2]
+    assert copy1[9]["st"] == "new" and copy1[9]["id"] == "r#1.1" and copy1[8]["id"] == "r#1"
+    assert [r.get("a") for r in tile(steps, 1)[3]["rows"]] == [3]  # one copy: the trace as it is
+
+
+def test_sync_projection_feeds_a_new_requests_prompt_and_counts_no_tokens_for_it():
+    """`sync` and `draft_model` count the tokens the SSD replay and `measured` count: none for a request's
+    first step (its prefill), whose first draft forward feeds its prompt."""
+    from saguaro_vllm.projection.engines import project_spec
+
+    cost = CostModel.from_json({"schema": 1, "target_verify": {"source": "assumed", "points": [
+        {"batch": 1, "tokens_per_row": 1, "s": 0.01}, {"batch": 1, "tokens_per_row": 6, "s": 0.01}]},
+        "draft_forward": {"source": "assumed", "fixed_s": 0.001, "per_token_s": 0.001}})
+    steps = _b1_steps(6)
+    steps.insert(3, {"step": 99, "rows": [{"id": "q", "st": "new", "new": 1, "feed": 50, "want": 5, "nd": 5}]})
+    out = project_spec("saguaro-sync", steps, 5, cost)
+    tokens = sum(i % 6 + 1 for i in (1, 2, 3, 4, 5))  # the new request's step adds none
+    seconds = 6 * 0.01 + 6 * 5 * 0.001 + 0.001 * (1 + 1 + 50 + 1 + 1 + 2) + 0.001 * 4 * 6  # 6 steps
+    assert out["tokens_per_s"] == pytest.approx(tokens / seconds, rel=1e-3)
+
+
+def test_a_short_round_whose_drafts_were_all_accepted_gets_a_recorded_rank():
+    """A round of fewer than K drafts (a cut-short hit sent short) whose drawn outcome accepted more than it
+    has: all its drafts accepted, and the rank of a recorded round whose drafts were all accepted (its
+    bonus, like theirs, follows the target with nothing excluded), not "no rank", which never hit."""
+    from saguaro_vllm.projection.replay import OutcomePool
+
+    rows = [{"id": "r", "st": "hit", "a": 5, "k": 5, "rank": 2, "t": 7}]
+    pool = OutcomePool([{"rows": rows}, {"rows": [{**rows[0], "a": 1, "rank": 0}]}], seed=1)
+    draws = {pool.draw(False, 3)[:2] for _ in range(40)}
+    assert draws == {(3, 2), (1, 0)}

@@ -147,3 +147,65 @@ def test_ngram_lookups_only_where_a_miss_may_keep_them():
         planner.record_forward(rows, seconds)
     _measured(planner)
     assert planner.needs_ngram_drafts()
+
+
+def _gpu_like(planner: RoundPlanner, late_s: float = 5e-5) -> None:
+    """Costs like benchmarks/cost_models/h100-70b-tp4-1b.json at batch 1: a draft forward of ~1 ms plus 8.3 us
+    per row (rows nearly free), a verification of 18.5 ms, the request taken 50 us after its send."""
+    for rows in (1, 6, 12, 24, 48, 96):
+        planner.record_forward(rows, 0.000975 + 8.34e-6 * rows)
+    _measured(planner, verify_s=0.0185, late_s=late_s)
+
+
+def test_rows_nearly_free_a_wide_budget_at_batch_1():
+    """Under GPU-like costs the whole K-step plan of many branches fits a verification: the budget is the
+    cap (max_fanout_budget, 64), not the 1-6 branches a CPU core fits."""
+    planner = RoundPlanner({})
+    _gpu_like(planner)
+    plan = planner.plan(1, 5)
+    assert plan.branches >= 48 and plan.steps == 5
+    assert RoundPlanner({"max_fanout_budget": 24}).plan(1, 5).branches <= 24
+
+
+def test_a_few_missed_rounds_at_batch_1_do_not_switch_the_branch_steps_off():
+    """A round of one row that missed is weak evidence: at batch 1 the first round after a new request
+    missed, the measured hit rate read 0, and under GPU costs (lateness 50 us against a 5 ms jit draft) the
+    branch steps were skipped 15 rounds of 16 (projection of 2026-12-06: at T=1 in 60 of 96 rounds, hit rate
+    0.09). Laplace's rule keeps several misses from reading as "never": here 8 misses in a row."""
+    from saguaro_vllm.drafter.round_planner import PROBE_EVERY
+
+    planner = RoundPlanner({})
+    _gpu_like(planner)
+    plan = planner.plan(1, 5)
+    for _ in range(8):
+        planner.end_step(0.005, 6, hits=0, looked_up=1, jit=True, all_hit=False, ran_branches=True)
+    assert planner.branch_hit_rate == 0.0 and 0.1 < planner.branch_hit_floor() < 0.2
+    assert all(planner.branches_pay_off(plan, 1, 5) for _ in range(PROBE_EVERY))
+
+
+def test_a_miss_at_batch_1_is_weighed_against_the_long_run_rate():
+    """The rate a row's gain is weighed against is the steps' long-run one (decayed sums of tokens and of
+    whole periods, lateness included), not a moving average of the last steps' own rates, which followed
+    the hits (6 tokens per 120 ms verification) and left misses and top-ups to n-gram drafts at batch 1
+    where drafting them paid (lead (c) of issue 27 item 5). Here: after a miss and four hits at 10 ms
+    lateness, the long-run rate is ~35 tokens/s, and a miss (E(0.8, 5) - 1 = 2.7 tokens for 5 forwards of
+    15 ms) is drafted now; the moving average read 42.8 and left it."""
+    from saguaro_vllm.drafter.backup import expected_tokens
+
+    planner = RoundPlanner({})
+    for rows, seconds in ((1, 0.015), (2, 0.0151), (8, 0.0155)):
+        planner.record_forward(rows, seconds)
+    for _ in range(60):
+        planner.predictor.neural.observe(4, 5)
+    steps = [(6, 0.0005), (1, 0.0755), (6, 0.0005), (6, 0.0005), (6, 0.0005)]  # tokens, the step's answer
+    for tokens, answer_s in steps:
+        planner.observe_round(0.12, 0.01, ran_branches=True)
+        planner.measure_rate(tokens, 0.12)
+        planner.end_step(answer_s, 6, hits=1, looked_up=1, jit=answer_s > 0.01, all_hit=answer_s < 0.01)
+    periods = [0.12 + 0.01 + prev for prev in (0.0, 0.0005, 0.0755, 0.0005, 0.0005)]
+    weights = [0.9 ** (len(steps) - 1 - i) for i in range(len(steps))]
+    expected = sum(w * t for w, (t, _) in zip(weights, steps)) / sum(w * s for w, s in zip(weights, periods))
+    assert planner.rate == pytest.approx(expected) and planner.rate < 36
+    planner.observe_round(0.12, 0.01, ran_branches=True)
+    miss = [DraftNow(0, 1, 5, expected_tokens(planner.predictor.neural.alpha, 5) - 1.0)]
+    assert planner.draft_now(miss, 1.0) == [0]

@@ -39,11 +39,17 @@ logger = logging.getLogger("saguaro_vllm.drafter")
 PLAN_SAFETY = 0.95
 #: Forward timings kept for the step-cost model.
 COST_SAMPLES = 64
-#: Smoothing of the measured verification time, lateness, answer times, rate and hit rate.
+#: Smoothing of the measured verification time, lateness, answer times and hit rate.
 VERIFY_EMA = 0.3
+#: Memory of the batch's long-run rate (`measure_rate`): each step's tokens and seconds weigh this much less
+#: per later measured step (~10 steps).
+RATE_DECAY = 0.9
 #: After this many rounds in a row whose branch steps were skipped, one round runs them anyway, so the
 #: measured hit rate that decides skipping is measured again (the workload may have changed).
 PROBE_EVERY = 16
+#: The hit rate measured over rounds that ran branch steps is kept as decayed counts of rows (hits and
+#: lookups), each round's counts weighing this much less per later such round (a memory of ~10 rounds).
+BRANCH_HIT_DECAY = 0.9
 #: A plan's branch steps may be at most this many times the largest draft forward measured so far (in logit
 #: rows): the cost model is not extrapolated far beyond its data, and each round's larger forward measures
 #: the next size (at batch 1 budgets grow 2, 4, 8, ... in a few rounds).
@@ -71,13 +77,17 @@ class RoundPlanner:
         #: answer time of steps whose misses were drafted just in time, and of steps that all hit: their
         #: difference is what a miss costs the online C choice
         self.answer_s: dict[str, float | None] = {"miss": None, "hit": None}
-        #: committed tokens per second of the batch (verification + answer): the long-run rate the per-row
-        #: backup choice weighs a row's gain against
+        #: committed tokens per second of the batch (answer + verification + lateness, decayed sums): the
+        #: long-run rate the per-row backup choice weighs a row's gain against
         self.rate: float | None = None
+        self._rate_sums = (0.0, 0.0)  # decayed tokens, decayed seconds
+        self._round_late_s = 0.0  # the last round's lateness (part of its step's period)
         self.last_answer_s = 0.0
         self.hit_rate: float | None = None  # smoothed share of looked-up rows that hit
-        #: the same over steps whose rows' round ran branch steps: what running them actually yields
-        self.branch_hit_rate: float | None = None
+        #: hits and lookups (rows, decayed per round) of steps whose round ran branch steps: what running
+        #: them actually yields (`branch_hit_rate`, `branch_hit_floor`)
+        self._branch_hits = 0.0
+        self._branch_lookups = 0.0
         self._skipped_in_a_row = 0
         self.sent_tokens = 0  # tokens the last answer sent for verification (rows + drafts)
         #: `depth: "auto"`: the online depth choice (made on the first step, when K is known) and this
@@ -110,6 +120,7 @@ class RoundPlanner:
         """A round's verification time and lateness, however measured (the replay's virtual clock feeds
         them here, projection/replay.py)."""
         self.verify_s = smooth(self.verify_s, verify_s)
+        self._round_late_s = late_s
         if ran_branches:
             self.late_s = smooth(self.late_s, late_s)
 
@@ -121,10 +132,20 @@ class RoundPlanner:
         return StepCostModel.fit_forwards(list(self.costs)) if len(self.costs) >= 3 else None
 
     def measure_rate(self, tokens: int, verify_s: float) -> None:
-        """Tokens committed over the last verification plus answer (call only for steps whose rows all
-        finished a round: a step with new requests may follow an idle engine, whose gap is no verification)."""
+        """The tokens a step committed over its whole period (the previous answer, the verification and the
+        round's lateness), kept as decayed sums: `rate` is their ratio, the long-run tokens per second that
+        Dinkelbach's rule needs (call only for steps whose rows all finished a round: a step with new
+        requests may follow an idle engine, whose gap is no verification). A moving average of each step's
+        own tokens / (verification + answer), as before 2026-12-06, followed the last few steps, mostly hits
+        (6 tokens in a 120 ms verification on a CPU core: 50 tokens/s against a long-run 28-30), and left the
+        lateness out: at batch 1 a jit draft or top-up then looked not worth its forwards, and the replay of
+        the demo pair's T=0 trace under its calibrated costs ran at 27.6 tokens/s against 30.6 with every
+        miss and top-up drafted (30.2 with this rate)."""
         if verify_s > 0:
-            self.rate = smooth(self.rate, tokens / (verify_s + self.last_answer_s))
+            tokens_sum, seconds_sum = self._rate_sums
+            self._rate_sums = (RATE_DECAY * tokens_sum + tokens,
+                               RATE_DECAY * seconds_sum + verify_s + self.last_answer_s + self._round_late_s)
+            self.rate = self._rate_sums[0] / self._rate_sums[1]
 
     def end_step(self, answer_s: float, sent_tokens: int, hits: int, looked_up: int, jit: bool,
                  all_hit: bool, ran_branches: bool = False) -> None:
@@ -135,11 +156,26 @@ class RoundPlanner:
         if looked_up:
             self.hit_rate = smooth(self.hit_rate, hits / looked_up)
             if ran_branches:
-                self.branch_hit_rate = smooth(self.branch_hit_rate, hits / looked_up)
+                self._branch_hits = BRANCH_HIT_DECAY * self._branch_hits + hits
+                self._branch_lookups = BRANCH_HIT_DECAY * self._branch_lookups + looked_up
         if jit:
             self.answer_s["miss"] = smooth(self.answer_s["miss"], answer_s)
         elif all_hit:
             self.answer_s["hit"] = smooth(self.answer_s["hit"], answer_s)
+
+    @property
+    def branch_hit_rate(self) -> float | None:
+        """The hit rate measured over steps whose round ran branch steps (None before any)."""
+        return self._branch_hits / self._branch_lookups if self._branch_lookups else None
+
+    def branch_hit_floor(self) -> float | None:
+        """What `branches_pay_off` takes of `branch_hit_rate`: Laplace's rule, one hit and one miss added to
+        the decayed row counts. A few misses are weak evidence where a round has one row: at batch 1 the
+        first round after a new request missed (its bonus not among 64 candidates), the plain rate read 0,
+        and under GPU costs (a branch step ~1 ms, the verification 18.5 ms, lateness ~0) the steps were
+        skipped for 15 rounds of every 16, probes included, at T=1 in 60 of 96 rounds. Where many rows
+        were measured (batch 32: 2 hits of 32) it is close to the plain rate."""
+        return (self._branch_hits + 1.0) / (self._branch_lookups + 2.0) if self._branch_lookups else None
 
     def miss_cost_s(self) -> float:
         """What a just-in-time miss adds to an answer (0 until both kinds of answer are measured)."""
@@ -158,7 +194,7 @@ class RoundPlanner:
         if cost is None or self.verify_s is None:
             return PreDraftPlan(k + 1, k)  # one branch per depth until timings are known
         plan = plan_predraft(PLAN_SAFETY * self.verify_s, cost, batch, k, self.predictor.neural.alpha,
-                             max_branches=int(self.opts.get("max_fanout_budget", 32)), ranks=self.ranks,
+                             max_branches=int(self.opts.get("max_fanout_budget", 64)), ranks=self.ranks,
                              max_rows=GROWTH * max(cost.max_rows or 0, batch))
         if plan.branches == 0:  # not even one branch per depth fits one step: the most likely outcomes only
             return PreDraftPlan(max(1, min(2, k + 1)), 1)
@@ -166,14 +202,15 @@ class RoundPlanner:
 
     def branches_pay_off(self, plan: PreDraftPlan, batch: int, k: int) -> bool:
         """`predictor.branches_pay_off` for a modelled plan, once lateness and step costs are measured. The
-        hit rate is the plan's modelled one, or the measured one of rounds that ran branch steps where that
-        is lower (measured: batch 32, T=0, modelled far above the 0.29 measured, and the branch steps cost
-        5 % against `sync`). Every PROBE_EVERY-th round in a row that would skip runs them anyway, so the
-        measurement follows the workload."""
+        hit rate is the plan's modelled one, or the measured one of rounds that ran branch steps
+        (`branch_hit_floor`) where that is lower (measured: batch 32, T=0, modelled far above the 0.29
+        measured, and the branch steps cost 5 % against `sync`). Every PROBE_EVERY-th round in a row that
+        would skip runs them anyway, so the measurement follows the workload."""
         cost = self.cost_model()
         if plan.hit_rate is None or self.late_s is None or cost is None or self.verify_s is None:
             return True
-        hit_rate = plan.hit_rate if self.branch_hit_rate is None else min(plan.hit_rate, self.branch_hit_rate)
+        floor = self.branch_hit_floor()
+        hit_rate = plan.hit_rate if floor is None else min(plan.hit_rate, floor)
         pays = branches_pay_off(hit_rate, batch, k, self.verify_s, self.late_s, cost, self.predictor.neural.alpha,
                                 self.predictor.ngram_tokens.mean, self.opts.get("backup", "auto"))
         if pays:

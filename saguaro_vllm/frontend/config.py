@@ -142,7 +142,7 @@ class SaguaroOptions(BaseModel):
         "verification times. Ignored when `fanout` is set.",
     )
     max_fanout_budget: int = Field(
-        32, description="`async` only: upper bound of the automatically sized branches per request and round."
+        64, description="`async` only: upper bound of the automatically sized branches per request and round."
     )
     miss_fanout: list[int] | None = Field(
         None,

@@ -5,11 +5,13 @@
 - `project_ssd`: `SSDReplay` under a `ModelClock` (the product's policy on the virtual clock).
 - `project_spec` (Saguaro `sync` and vLLM `draft_model`) and `project_ar`: no policy to replay; each step
   verifies K drafts per row (or none) and commits the trace's neural outcomes (accepted + 1 per row; rows
-  whose live round had no neural drafts draw one from the trace's neural rounds). `sync` pays the
+  whose live round had no neural drafts draw one from the trace's neural rounds; a request's first step, a
+  prefill, commits no verified tokens, as in `measured` and the SSD replay). `sync` pays the
   proposer's and the drafter's host overheads and K batched draft forwards; `draft_model` pays K draft
   forwards of the same cost model in the target's process and its own step overhead.
 - `tile`: a trace's steps at another batch size (rows repeated, or the first B kept), so that one trace at
-  batch b projects batch 1-64; repeated rows repeat the same outcomes, which a real batch would not.
+  batch b projects batch 1-64; each copy of the rows runs the trace from another step, so that a step's rows
+  have different outcomes, as a real batch's would.
 """
 from __future__ import annotations
 
@@ -62,22 +64,35 @@ def segment_starts(steps: list[dict]) -> list[int]:
 
 
 def tile(steps: list[dict], batch: int) -> list[dict]:
-    """The steps with `batch` rows each: row j is the trace's row j mod b, renamed per copy."""
+    """The steps (those with rows) with `batch` rows each: row j is row j mod b of copy j // b (b: the trace's
+    largest batch), and copy c of C runs the trace from c/C of its length on, wrapping around (each pass a
+    new request: `id#c` on the first pass, `id#c.p` on pass p). So the rows of one step carry the outcomes of
+    different steps, as a real batch's rows would. Repeating every row at the same step (the tiling before
+    2026-12-06) made all rows of a step hit or miss together and 64 copies of one outcome swamp the online
+    acceptance estimate (batch 64, T=1: one step of a=0 read as acceptance 0.00, every miss was then left
+    to its n-gram drafts and SSD projected at 0.67x `sync`). A step whose source step has fewer rows than b
+    lacks those rows; step-level fields are the unshifted step's."""
+    steps = [s for s in steps if s["rows"]]
+    n_steps = len(steps)
+    b = max((len(s["rows"]) for s in steps), default=1)
+    copies = -(-batch // b)
     out = []
-    for s in steps:
-        b = len(s["rows"])
-        if not b:
-            continue
+    for n, s in enumerate(steps):
         t = copy.copy(s)
-        t["rows"] = []
+        t["rows"], pre_rows = [], {}
         for j in range(batch):
-            r = dict(s["rows"][j % b])
-            r["id"] = f"{r['id']}#{j // b}"
+            c, i = divmod(j, b)
+            m = n + c * n_steps // copies
+            src = steps[m % n_steps]
+            if i >= len(src["rows"]):
+                continue
+            r = dict(src["rows"][i])
+            rid, r["id"] = r["id"], f"{r['id']}#{c}" if m < n_steps else f"{r['id']}#{c}.{m // n_steps}"
             t["rows"].append(r)
-        pre = s.get("pre", {})
-        if "rows" in pre:
-            t["pre"] = {**pre, "rows": {f"{rid}#{c}": v for rid, v in pre["rows"].items()
-                                        for c in range((batch + b - 1) // b)}}
+            if rid in src.get("pre", {}).get("rows", {}):
+                pre_rows[r["id"]] = src["pre"]["rows"][rid]
+        if "rows" in s.get("pre", {}):
+            t["pre"] = {**s["pre"], "rows": pre_rows}
         out.append(t)
     return out
 
@@ -110,12 +125,16 @@ def project_ssd(header: dict, steps: list[dict], cost: CostModel, seed: int = 0,
 
 def _neural_tokens(steps: list[dict], k: int, seed: int) -> list[list[int]]:
     """Per step after the first, per row: accepted + 1 of K neural drafts (the recorded outcome where the
-    live round was neural with K drafts, else one drawn from such rounds)."""
+    live round was neural with K drafts, else one drawn from such rounds); 0 for a request's first step
+    (`new`: its prompt's prefill, no drafts verified; `measured` and the SSD replay count none either)."""
     pool = OutcomePool(steps, seed)
     out = []
     for s in steps[1:]:
         row_tokens = []
         for r in s["rows"]:
+            if r["st"] == "new":
+                row_tokens.append(0)
+                continue
             neural = r["st"] in LOOKED_UP + ("drafted",) and r.get("a", -1) >= 0 and not r.get("fast") \
                 and r.get("k") == k
             a = r["a"] if neural else pool.draw(False, k)[0]
@@ -126,13 +145,17 @@ def _neural_tokens(steps: list[dict], k: int, seed: int) -> list[list[int]]:
 
 def project_spec(engine: str, steps: list[dict], k: int, cost: CostModel, seed: int = 0,
                  count_from: int = 0) -> dict:
-    """Saguaro `sync` or vLLM `draft_model`: K drafts per row every step, drafted after the verification."""
+    """Saguaro `sync` or vLLM `draft_model`: K drafts per row every step, drafted after the verification. A
+    request's first step feeds its prompt (the trace's `feed`, what the SSD replay feeds it too) in the
+    first draft forward."""
     tokens = seconds = 0.0
     fv, fd = cost.mean_factor("target_verify"), cost.mean_factor("draft_forward")  # sums: the spread's mean
-    for row_tokens in _neural_tokens(steps, k, seed)[count_from:]:
+    feeds = [[r.get("feed", 1) if r["st"] == "new" else 1 for r in s["rows"]] for s in steps[1:]]
+    for row_tokens, feed in zip(_neural_tokens(steps, k, seed)[count_from:], feeds[count_from:], strict=True):
         b = len(row_tokens)
         verify = fv * cost.verify_s(b, 1 + k)
-        first = sum(2 if t == k + 1 else 1 for t in row_tokens)  # the bonus (and x_K after a full accept)
+        # the bonus (and x_K after a full accept), or a new request's prompt
+        first = sum(f + (1 if t == k + 1 else 0) for t, f in zip(row_tokens, feed, strict=True))
         draft = fd * (cost.forward_s(first, b) + (k - 1) * cost.forward_s(b, b))
         host = (cost.overhead("proposer", b) + cost.overhead("drafter", b) if engine == "saguaro-sync"
                 else cost.overhead("vllm_draft_model", b))

@@ -18,10 +18,12 @@ ENGINES = ("vllm-ar", "vllm-draft_model", "saguaro-sync", "saguaro-async")
 
 
 def project_trace(path: str | Path, cost: CostModel | None, batch_sizes: list[int] | None = None,
-                  seed: int = 0, last_group: bool = False) -> dict:
+                  seed: int = 0, last_group: bool = False, options: dict | None = None) -> dict:
     """One trace's report; `cost` None: the cost model fitted from the trace itself; `batch_sizes` None:
     the trace's own batch; `last_group`: count only the last group of requests (after e.g. a warm-up; the
-    earlier steps are replayed for the policy's state)."""
+    earlier steps are replayed for the policy's state); `options`: saguaro options the projected SSD
+    replays instead of the recorded ones (e.g. a default changed since the trace was recorded; the live
+    replay keeps the run's own)."""
     header, steps = read_trace(path)
     starts = segment_starts(steps)
     c = starts[-1] if last_group and starts else 0
@@ -41,7 +43,8 @@ def project_trace(path: str | Path, cost: CostModel | None, batch_sizes: list[in
         report["projected"].append(project_spec("vllm-draft_model", tiled, k, cost, seed, c))
         report["projected"].append(project_spec("saguaro-sync", tiled, k, cost, seed, c))
         if header.get("mode") == "async":
-            report["projected"].append(project_ssd(header, tiled, cost, seed, c))
+            policy = {**header, "options": {**(header.get("options") or {}), **options}} if options else header
+            report["projected"].append(project_ssd(policy, tiled, cost, seed, c))
     return report
 
 

@@ -49,16 +49,20 @@ class _Round:
 
 
 class OutcomePool:
-    """The trace's looked-up outcomes by kind ("neural", "ngram", "zero") and draft count: (a, rank, bonus)."""
+    """The trace's looked-up outcomes by kind ("neural", "ngram", "zero") and draft count: (a, rank, bonus);
+    per kind also the ranks of rounds whose drafts were all accepted (`full`)."""
 
     def __init__(self, steps: list[dict], seed: int = 0):
         self.pool: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+        self.full: dict[str, list[int]] = {}
         self.rng = random.Random(seed)
         for s in steps:
             for r in s["rows"]:
                 if r.get("a", -1) >= 0 and r["st"] in LOOKED_UP:
-                    self.pool.setdefault((self.kind(r.get("fast", False), r["k"]), r["k"]), []).append(
-                        (r["a"], r.get("rank", -1), r.get("t", -1)))
+                    kind = self.kind(r.get("fast", False), r["k"])
+                    self.pool.setdefault((kind, r["k"]), []).append((r["a"], r.get("rank", -1), r.get("t", -1)))
+                    if r["k"] and r["a"] == r["k"]:
+                        self.full.setdefault(kind, []).append(r.get("rank", -1))
 
     @staticmethod
     def kind(fast: bool, k: int) -> str:
@@ -70,7 +74,14 @@ class OutcomePool:
         if not same:
             return 0, WIDTH, -1  # never measured: nothing accepted, the bonus not among the candidates
         a, rank, t = self.rng.choice(same)
-        return (a, rank, t) if a <= k else (k, -1, -1)  # deeper than k drafts: the rank at depth k is unknown
+        if a <= k:
+            return a, rank, t
+        # Deeper than k drafts: all k accepted. Such a bonus follows the target at depth k with nothing
+        # excluded, like that of a recorded round whose drafts were all accepted: its rank is drawn from
+        # those (-1, never a hit, where there are none; before 2026-12-06 always -1, so a cut-short hit
+        # sent short missed at the next lookup whenever its drafts were all accepted).
+        full = self.full.get(kind)
+        return (k, self.rng.choice(full), -1) if full else (k, -1, -1)
 
 
 @dataclasses.dataclass
@@ -177,7 +188,8 @@ class SSDReplay:
                     self.planner.ranks.observe(min(rank, MAX_RANK))
                 if self._counting:
                     self.result.lookups_by_depth[a] += 1
-            hit = a >= 0 and rnd.fan is not None and rnd.steps_done > 0 and 0 <= rank < rnd.fan[a]
+            # rank WIDTH: not among the recorded candidates, so never a hit, whatever the fan-out
+            hit = a >= 0 and rnd.fan is not None and rnd.steps_done > 0 and 0 <= rank < min(rnd.fan[a], WIDTH)
             if self.scale_choice is not None and r.get("scale") is not None and a >= 0 and rnd.fan:
                 self.scale_choice.observe(r.get("temp", 0.0), r["scale"], a + 1, missed=not hit)
             if hit:
