@@ -9,8 +9,10 @@ is negligible): with vocabulary 256 for greedy rounds, and the real 128256 where
 bounds of the host part). Per (batch, budget, temperature), averaged over rounds in one process:
 
 - `answer_ms`: `SSDDrafter.step` when every row hits (lookups, adoption, publishing);
-- `glue_ms`: the pre-draft's first forward (glue) with candidate selection and branch admission (forks);
-- `branch_step_ms`: each later pre-draft forward (one step over batch x budget branches);
+- `glue_ms`: the pre-draft's first forward (glue), with the deferred freeing of the last round's branches;
+- `branch_step_ms`: each later pre-draft forward (one step over batch x budget branches); the first of a
+  round also selects the candidates and admits the branches (forks), so a round's admission is spread over
+  its steps in this mean;
 - `jit_ms`: per forward of an answer whose rows all miss (drafted just in time);
 - `transfers_per_forward`: `.item/.tolist/int/bool/.cpu` calls (device-to-host transfers on a GPU) per
   forward over the whole round (tests/sync_count.py).
@@ -73,14 +75,23 @@ def measure(model_path: str, batch: int, budget: int, temperature: float, rounds
 
     gc.collect()
     gc.freeze()  # as the drafter server does once loaded (drafter/server.py)
-    forward = runner.forward
-    forwards = [0]
+    forwards, inside = [0], [0]
 
-    def counted(*a, **kw):
-        forwards[0] += 1
-        return forward(*a, **kw)
+    def counting(fn):
+        def counted(*a, **kw):
+            if inside[0]:  # `forward_batch` running `forward` for rows without room: one forward
+                return fn(*a, **kw)
+            forwards[0] += 1
+            inside[0] += 1
+            try:
+                return fn(*a, **kw)
+            finally:
+                inside[0] -= 1
+        return counted
 
-    runner.forward = counted
+    runner.forward = counting(runner.forward)
+    if hasattr(runner, "forward_batch"):  # branch steps (trees before it have none)
+        runner.forward_batch = counting(runner.forward_batch)
     rng = np.random.default_rng(0)
     spec = SamplingSpec() if temperature == 0 else SamplingSpec(temperature=temperature, seed=1)
     ctx = {f"r{i}": rng.integers(2, vocab - 2, 24).tolist() for i in range(batch)}

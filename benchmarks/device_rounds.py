@@ -97,14 +97,23 @@ def run_config(model, batch: int, budget: int, rounds: int = 4, cuda_graphs: boo
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    forward = runner.forward
-    forwards = [0]
+    forwards, inside = [0], [0]
 
-    def counted(*a, **kw):
-        forwards[0] += 1
-        return forward(*a, **kw)
+    def counting(fn):  # `forward` and `forward_batch` (branch steps), one count when the latter runs the former
+        def counted(*a, **kw):
+            if inside[0]:
+                return fn(*a, **kw)
+            forwards[0] += 1
+            inside[0] += 1
+            try:
+                return fn(*a, **kw)
+            finally:
+                inside[0] -= 1
+        return counted
 
-    runner.forward = counted
+    runner.forward = counting(runner.forward)
+    if hasattr(runner, "forward_batch"):
+        runner.forward_batch = counting(runner.forward_batch)
     gen = torch.Generator().manual_seed(seed)
     ctx = {f"r{i}": torch.randint(2, vocab - 2, (prompt_len,), generator=gen).tolist() for i in range(batch)}
     resp = drafter.step(StepRequest(1, [RowUpdate(r, 0, c, K, SamplingSpec()) for r, c in ctx.items()], []))

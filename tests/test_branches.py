@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from branch_runs import bonus_distributions, draft_branches, glue
+from branch_runs import bonus_distributions, draft_branches, glue, reference_branches
 
 from saguaro_vllm.drafter.branches import BranchRoot, BranchRun
 from saguaro_vllm.drafter.kv_cache import KVCacheConfig
@@ -243,3 +243,74 @@ def test_misuse_is_reported(model):
     with pytest.raises(ValueError, match="glue needs"):
         glue(runner, [root])
     assert len(draft_branches(runner, [root], [[(2, 1)]])) == 1
+
+
+@pytest.mark.parametrize("case", ["greedy", "sampled", "mixed", "short", "tight", "cut", "uneven"])
+def test_batched_run_equals_the_per_fork_reference(model, case):
+    """`BranchRun` (all forks in one `fork_many`, each step one `forward_batch`, one argmax for greedy
+    requests, tokens and logit/prob references as arrays) against `reference_branches` (one fork and
+    reserve per candidate, one `forward` of per-branch chunks and one `propose` per request and step) on
+    two identical runners: the same branches, tokens, logits and proposal probabilities bit for bit, the
+    same blocks for every branch and the same free list; greedy, sampled (a seeded generator per request),
+    mixed with `is_greedy`, fewer steps than K, a cache too small for every candidate, a run cut short, and
+    roots of different K (later steps advance only some branches)."""
+    spec = SamplingSpec(temperature=0.8, top_k=50, seed=5)
+    num_blocks = {"tight": 36}.get(case, 160)
+    runs = []
+    for _ in range(2):
+        runner = make_runner(model, num_blocks=num_blocks, block_size=16)
+        drafter, roots, _ = drafted_roots(model, runner, SamplingSpec())
+        depth_k = glue(runner, roots)
+        candidates = [select_candidates(bonus_distributions(drafter.reqs[r.req_id].draft_logits, depth_k[i]),
+                                        r.drafts, FANOUT) for i, r in enumerate(roots)]
+        if case == "uneven":  # every other root sent only 2 drafts: its branches draft 2 tokens, the others K
+            roots = [BranchRoot(r.req_id, r.context_len, r.drafts[:2]) if i % 2 else r for i, r in enumerate(roots)]
+            candidates = [[c for c in cands if c[0] <= r.k] for r, cands in zip(roots, candidates, strict=True)]
+        gens = {r.req_id: torch.Generator().manual_seed(i) for i, r in enumerate(roots)}
+        sampled = {r.req_id for i, r in enumerate(roots)
+                   if case in ("sampled", "tight") or (case in ("mixed", "uneven") and i % 2 == (case == "mixed"))}
+
+        def propose(req_id, logits, gens=gens, sampled=sampled):
+            if req_id not in sampled:
+                return logits.argmax(dim=-1), None
+            return sample_proposals(logits, [spec] * logits.shape[0], [gens[req_id]] * logits.shape[0])
+
+        runs.append((runner, roots, candidates, propose, sampled))
+    steps = 2 if case == "short" else None
+    runner, roots, candidates, propose, sampled = runs[0]
+    ref, ref_logits, ref_probs = reference_branches(runner, roots, candidates, num_steps=steps, propose=propose,
+                                                    max_steps=2 if case == "cut" else None)
+    runner2, roots2, candidates2, propose2, sampled2 = runs[1]
+    assert candidates2 == candidates
+    run = BranchRun(runner2, roots2, candidates2, num_steps=steps, propose=propose2, keep_logits=True,
+                    is_greedy=lambda req_id: req_id not in sampled2)
+    for _ in range(2 if case == "cut" else 99):
+        if run.done:
+            break
+        run.step()
+    got = run.finish()
+    def keys(branches):
+        return [(b.req_id, b.depth, b.bonus, b.seq_id) for b in branches]
+
+    assert keys(got) == keys(ref)
+    if case == "tight":
+        assert run.dropped > 0
+    for b, r, lg, pr in zip(got, ref, ref_logits, ref_probs, strict=True):
+        k = next(root.k for root in roots if root.req_id == b.req_id)
+        assert b.tokens == r.tokens and len(b.tokens) == (2 if case in ("short", "cut") else k)
+        assert torch.equal(b.logits, torch.stack(lg))
+        if pr:
+            assert torch.equal(b.probs, torch.stack(pr))
+        else:
+            assert b.probs is None
+        assert runner2._get(b.seq_id).block_table.blocks == runner._get(r.seq_id).block_table.blocks
+        assert runner2.num_computed(b.seq_id) == runner.num_computed(r.seq_id)
+    assert runner2.kv_cache.allocator._free == runner.kv_cache.allocator._free
+    assert runner2.kv_cache.allocator._refs == runner.kv_cache.allocator._refs
+    # every sequence's written KV (slots past a sequence's length are never read: a fork given back after
+    # its partial-block copy left that copy in a block the reference hands out again as growth)
+    for seq_id, req in runner._requests.items():
+        slots = torch.tensor(req.block_table.slots(0, req.num_computed))
+        assert runner2._get(seq_id).block_table.slots(0, req.num_computed) == slots.tolist()
+        for a, c in zip(runner.kv_cache.layers, runner2.kv_cache.layers, strict=True):
+            assert torch.equal(a.flatten(1, 2)[:, slots], c.flatten(1, 2)[:, slots])

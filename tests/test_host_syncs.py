@@ -27,14 +27,14 @@ def draft_model(tiny_pair):
 
 
 def _count_forwards(drafter: SSDDrafter) -> list[int]:
+    """Counts the runner's forwards: `forward` and `forward_batch` (branch steps)."""
     calls = [0]
-    forward = drafter.runner.forward
+    for name in ("forward", "forward_batch"):
+        def counted(*a, _forward=getattr(drafter.runner, name), **kw):
+            calls[0] += 1
+            return _forward(*a, **kw)
 
-    def counted(*a, **kw):
-        calls[0] += 1
-        return forward(*a, **kw)
-
-    drafter.runner.forward = counted
+        setattr(drafter.runner, name, counted)
     return calls
 
 

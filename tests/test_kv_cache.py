@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from saguaro_vllm.drafter.attention import AttentionMetadata, reference_paged_attention, write_kv
 from saguaro_vllm.drafter.kv_cache import (
     BlockAllocator,
+    BlockTable,
     KVCacheConfig,
     OutOfBlocksError,
     PagedKVCache,
@@ -149,3 +151,121 @@ def test_deferred_copies_run_together_at_the_end():
         assert (layer[:, 4] == 1).all() and (layer[:, 5] == 3).all() and (layer[:, 1] == 1).all()
     cache.copy_block(0, 4)  # outside: at once
     assert all((layer[:, 4] == 0).all() for layer in cache.layers)
+
+
+def _forking_cache(seed: int) -> tuple[PagedKVCache, list]:
+    """A 24-block cache (blocks of 4 tokens, handed out in a shuffled order, every element a distinct value)
+    and three tables of 3, 9 and 12 tokens to fork from."""
+    cache = PagedKVCache(KVCacheConfig(num_blocks=24, block_size=4), num_layers=2, num_kv_heads=1, head_size=2,
+                         dtype=torch.float32, device="cpu")
+    blocks = cache.allocator.allocate(24)
+    random.Random(seed).shuffle(blocks)
+    cache.allocator.free(blocks)
+    for i, layer in enumerate(cache.layers):
+        layer.copy_(torch.arange(layer.numel(), dtype=torch.float32).view_as(layer) + 1000 * i)
+    parents = []
+    for n in (3, 9, 12):
+        table = cache.new_block_table()
+        table.ensure(n)
+        parents.append(table)
+    return cache, parents
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fork_tables_equal_fork_then_ensure_block_for_block(seed):
+    """`fork_tables` (a pre-draft's forks at once) against `fork` then `ensure` one fork at a time, a fork whose
+    growth does not fit freed again (what the branch admission did before): the same child tables, free list
+    and reference counts, every child's blocks holding the same values, and the same copy and growth counts,
+    in a cache too small for every fork."""
+    rng = random.Random(seed)
+    lengths = (3, 9, 12)
+    forks = [(p, rng.randint(0, lengths[p]), rng.randint(0, 6)) for p in (rng.randrange(3) for _ in range(24))]
+    ref_cache, ref_parents = _forking_cache(seed)
+    ref = []
+    for p, n, m in forks:
+        alloc = ref_cache.allocator
+        free = alloc.num_free
+        try:
+            child = ref_parents[p].fork(n)
+        except OutOfBlocksError:
+            ref.append((None, 0, 0))
+            continue
+        forked = alloc.num_free
+        try:
+            child.ensure(n + m, write_from=n)
+        except OutOfBlocksError:
+            child.shrink(0)
+            ref.append((None, 0, 0))
+            continue
+        ref.append((child, free - forked, forked - alloc.num_free))
+    cache, parents = _forking_cache(seed)
+    got = cache.fork_tables([parents[p] for p, _, _ in forks], [n for _, n, _ in forks], [m for _, _, m in forks])
+    assert any(c is None for c, _, _ in got) and any(c is not None for c, _, _ in got)  # some did not fit
+    assert [(c and c.blocks, k, g) for c, k, g in got] == [(c and c.blocks, k, g) for c, k, g in ref]
+    assert cache.allocator._free == ref_cache.allocator._free
+    assert cache.allocator._refs == ref_cache.allocator._refs
+    for (child, _, _), (p, n, _) in zip(got, forks, strict=True):
+        if child is not None:
+            for layer, ref_layer in zip(cache.layers, ref_cache.layers, strict=True):
+                assert torch.equal(layer[:, child.blocks], ref_layer[:, child.blocks])
+    for child, _, _ in got:  # ordinary tables: freeing them and their parents leaves nothing behind
+        if child is not None:
+            child.shrink(0)
+    for table in parents:
+        table.shrink(0)
+    assert cache.allocator.num_free == 24 and not any(cache.allocator._refs)
+
+
+def test_free_many_equals_free_in_order():
+    """`BlockAllocator.free_many` leaves the free list and counts `free` of each list in turn leaves; an
+    over-free anywhere changes nothing."""
+    def tables(alloc):
+        a = alloc.allocate(5)
+        alloc.share(a[:3])
+        b = a[:3] + alloc.allocate(2)
+        alloc.share(a[:1])
+        c = a[:1] + alloc.allocate(1)
+        return [b, a, c]
+
+    ref, alloc = BlockAllocator(12), BlockAllocator(12)
+    for blocks in tables(ref):
+        ref.free(blocks)
+    lists = tables(alloc)
+    with pytest.raises(ValueError, match="freed twice"):
+        alloc.free_many(lists + [lists[2]])
+    alloc.free_many(lists)
+    assert alloc._free == ref._free and alloc._refs == ref._refs == [0] * 12
+
+
+def test_block_rows_sync_of_many_rows_equals_row_by_row():
+    """`BlockRows.sync` of many changed rows (one scatter) leaves the array row-by-row writes leave: longer,
+    shorter and emptied tables, a widened array, released rows zeroed."""
+    from saguaro_vllm.drafter.block_rows import BlockRows
+
+    rng = random.Random(3)
+    alloc = BlockAllocator(4096)
+    tables = []
+    for _ in range(40):
+        t = BlockTable(alloc, 1)
+        t.blocks = alloc.allocate(rng.randint(0, 9))
+        tables.append(t)
+    many, few = BlockRows(rows=8, width=4), BlockRows(rows=8, width=4)
+
+    def same(a: np.ndarray, b: np.ndarray) -> bool:  # (widened in other steps, they may differ in width)
+        w = min(a.shape[1], b.shape[1])
+        return np.array_equal(a[:, :w], b[:, :w]) and not a[:, w:].any() and not b[:, w:].any()
+    rows = [many.acquire() for _ in tables]
+    assert [few.acquire() for _ in tables] == rows
+    for round_ in range(4):
+        many.sync(rows, tables)
+        for i in range(0, len(tables), 7):  # under 8 rows: the row-by-row path
+            few.sync(rows[i : i + 7], tables[i : i + 7])
+        assert same(many.array, few.array) and many._written == few._written
+        for t in tables:  # grow, shrink, empty, or keep
+            k = rng.randrange(4)
+            t.blocks = t.blocks + alloc.allocate(rng.randint(1, 40 if round_ == 2 else 3)) if k == 0 else \
+                t.blocks[: rng.randint(0, len(t.blocks))] if k == 1 else [] if k == 2 else t.blocks
+    many.release_many(rows[::2])
+    for row in rows[::2]:
+        few.release(row)
+    assert same(many.array, few.array) and many._free == few._free

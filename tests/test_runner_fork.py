@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -207,3 +208,126 @@ def test_fork_misuse_is_reported(model):
     runner.fork("p", "c", 5)
     with pytest.raises(ValueError, match="already known"):
         runner.fork("p", "c", 5)
+
+
+def _parents(model, num_blocks=40, static_buckets=None) -> DraftModelRunner:
+    """Three prefilled sequences of 7, 16 and 21 tokens (blocks of 16: fork points inside blocks and on block
+    edges) on a runner whose blocks are handed out in a shuffled order."""
+    runner = DraftModelRunner(model, KVCacheConfig(num_blocks=num_blocks, block_size=16), static_buckets=static_buckets)
+    alloc = runner.kv_cache.allocator
+    blocks = alloc.allocate(alloc.num_free)
+    random.Random(num_blocks).shuffle(blocks)
+    alloc.free(blocks)
+    for i, n in enumerate((7, 16, 21)):
+        runner.add_request(f"p{i}")
+        runner.forward([(f"p{i}", seq(n, 30 + i), 0)])
+    return runner
+
+
+def _state(runner: DraftModelRunner) -> dict:
+    alloc = runner.kv_cache.allocator
+    return {"free": list(alloc._free), "refs": list(alloc._refs),
+            "seqs": {s: (list(r.block_table.blocks), r.num_computed, r.row) for s, r in runner._requests.items()}}
+
+
+def test_fork_many_equals_fork_and_reserve(model):
+    """`fork_many` against `fork` + `reserve` per fork (freed again when the reserve fails), in order, in a
+    cache too small for all: the same sequences, blocks, block-table rows, free list and reference counts."""
+    forks = [(f"p{p}", f"c{i}", n, m) for i, (p, n, m) in enumerate(
+        [(0, 7, 4), (1, 16, 4), (2, 21, 30), (2, 5, 0), (1, 9, 12), (0, 3, 40), (2, 20, 4), (1, 16, 1),
+         (0, 7, 9), (2, 21, 4), (1, 2, 4), (0, 0, 3)])]
+    ref, runner = _parents(model, num_blocks=16), _parents(model, num_blocks=16)
+    expected = []
+    for parent, child, n, m in forks:
+        free = ref.num_free_blocks
+        try:
+            ref.fork(parent, child, n)
+        except OutOfBlocksError:
+            expected.append(None)
+            continue
+        forked = ref.num_free_blocks
+        try:
+            ref.reserve(child, m)
+        except OutOfBlocksError:
+            ref.free_request(child)
+            expected.append(None)
+            continue
+        expected.append((free - forked, forked - ref.num_free_blocks))
+    got = runner.fork_many(forks)
+    assert got == expected and None in got and any(got)
+    assert _state(runner) == _state(ref)
+    with pytest.raises(ValueError, match="already known"):
+        runner.fork_many([("p0", "x", 1, 1), ("p0", "x", 2, 1)])
+    with pytest.raises(ValueError, match="cannot fork 8 tokens"):
+        runner.fork_many([("p0", "y", 1, 1), ("p0", "z", 8, 1)])
+    assert _state(runner) == _state(ref)  # misuse changes nothing
+    # free_many: free_request of each, in order
+    gone = [f[1] for f, e in zip(forks, expected, strict=True) if e is not None][::-1] + ["p1"]
+    for seq_id in gone:
+        ref.free_request(seq_id)
+    runner.free_many(gone)
+    assert _state(runner) == _state(ref)
+    with pytest.raises(ValueError, match="twice"):
+        runner.free_many(["p0", "p0"])
+
+
+@pytest.mark.parametrize("static_buckets", [None, (1, 2, 4, 8, 16)])
+def test_forward_batch_equals_forward(model, static_buckets):
+    """`forward_batch` (arrays, no Python per row) against `forward` of the same one-token chunks on an
+    identical runner: the same logits bit for bit, KV, blocks and computed counts, over forks sharing prefix
+    blocks at different lengths, all rows and subsets, rows that need a new block (it runs `forward`
+    then), and state changed between forwards (read again); a freed sequence is refused."""
+    runners = [_parents(model, static_buckets=static_buckets) for _ in range(2)]
+    forks = [("p0", "a", 7, 3), ("p1", "b", 16, 5), ("p2", "c", 21, 9), ("p2", "d", 12, 2), ("p1", "e", 16, 0)]
+    for r in runners:
+        assert all(r.fork_many(forks))
+    ref, runner = runners
+    seqs = ["a", "b", "c", "d", "e", "p0"]
+    batch = runner.decode_batch(seqs)
+    g = torch.Generator().manual_seed(7)
+    fallbacks, forward = [], runner.forward
+    runner.forward = lambda chunks, *a, **kw: fallbacks.append(len(chunks)) or forward(chunks, *a, **kw)
+    for step, live in enumerate([None, None, [0, 2, 3], None, [1, 4], None, [5, 0], None]):
+        ids = seqs if live is None else [seqs[i] for i in live]
+        tokens = torch.randint(2, 300, (len(ids),), generator=g).tolist()
+        if step == 4:  # state changed outside the batch, on both runners alike
+            for r in runners:
+                r.truncate("c", r.num_computed("c") - 2)
+                DraftModelRunner.forward(r, [("d", [9], r.num_computed("d"))])
+        expected = ref.forward([(s, [t], ref.num_computed(s)) for s, t in zip(ids, tokens, strict=True)])
+        got = runner.forward_batch(batch, np.array(tokens), None if live is None else np.array(live))
+        assert torch.equal(got, expected), step
+        assert _state(runner) == _state(ref)
+    assert fallbacks == [6]  # step 0 only: "e" (forked at a block edge, no room reserved) needed a block
+    for seq_id, req in ref._requests.items():  # every sequence's KV
+        slots = req.block_table.slots(0, req.num_computed)
+        for a, b in zip(ref.kv_cache.layers, runner.kv_cache.layers, strict=True):
+            assert torch.equal(a.flatten(1, 2)[:, slots], b.flatten(1, 2)[:, slots])
+    if static_buckets:
+        assert runner.static.runs and sum(runner.static.runs.values()) == sum(ref.static.runs.values())
+    runner.free_request("b")
+    with pytest.raises(ValueError, match="freed or adopted"):
+        runner.forward_batch(batch, np.array([1] * len(seqs)))
+    with pytest.raises(ValueError, match="twice"):
+        runner.decode_batch(["a", "a"])
+
+
+def test_drafter_delay_aid_slows_every_forward_once(monkeypatch):
+    """`SAGUARO_DRAFTER_DELAY_S` (server._slow_down) delays both kinds of forward, branch steps included, and
+    `forward_batch` running `forward` for rows without room only once."""
+    from saguaro_vllm.drafter import server
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(server.time, "sleep", sleeps.append)
+
+    class Runner:
+        def forward(self, chunks):
+            return "forward"
+
+        def forward_batch(self, batch, tokens, live=None):
+            return self.forward([])
+
+    runner = Runner()
+    server._slow_down(runner, 0.25)
+    assert runner.forward([]) == "forward" and runner.forward_batch(None, None) == "forward"
+    assert sleeps == [0.25, 0.25]

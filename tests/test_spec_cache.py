@@ -121,3 +121,29 @@ def test_round_trip_on_the_runner(tiny_pair):
     assert alloc.num_free == 32 - 2  # the adopted sequence only
     runner.free_request("r")
     assert alloc.num_free == 32
+
+
+def test_release_many_gets_a_rounds_branches_in_release_order():
+    """With `release_many`, a lookup, a drop and a new round hand over their branches in one call each, in the
+    order `release` alone would have seen them; a stale `put` still goes through `release`."""
+    def run(cache):
+        rnd = cache.start_round("r", 10, DRAFTS)
+        for key in [(0, 9), (0, 8), (1, 9), (3, 4)]:
+            cache.put(branch("r", *key), rnd)
+        cache.lookup("r", 10, [5, 9])  # hit (1, 9): the other three go
+        rnd = cache.start_round("r", 12, DRAFTS)
+        for key in [(2, 1), (0, 3)]:
+            cache.put(branch("r", *key), rnd)
+        cache.start_round("r", 14, DRAFTS)  # a new round drops these two
+        cache.put(branch("r", 4, 4), rnd)  # stale
+        rnd = cache.start_round("q", 3, DRAFTS)
+        cache.put(branch("q", 0, 1), rnd)
+        cache.drop("q")
+
+    one: list[str] = []
+    run(SpeculationCache(one.append))
+    calls: list[list[str]] = []
+    single: list[str] = []
+    run(SpeculationCache(single.append, release_many=calls.append))
+    assert calls == [["r/0/9", "r/0/8", "r/3/4"], ["r/2/1", "r/0/3"], ["q/0/1"]] and single == ["r/4/4"]
+    assert [s for c in calls[:2] for s in c] + single + calls[2] == one

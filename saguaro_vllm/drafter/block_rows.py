@@ -10,6 +10,7 @@ last block are 0, the padding the attention kernels expect.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import numpy as np
 
@@ -36,20 +37,43 @@ class BlockRows:
         self.array[row, : len(self._written.pop(row))] = 0
         self._free.append(row)
 
+    def release_many(self, rows: Sequence[int]) -> None:
+        """`release` of each row, in order."""
+        width = max((len(self._written[row]) for row in rows), default=0)
+        if width:
+            self.array[np.asarray(rows, dtype=np.int64), :width] = 0
+        for row in rows:
+            del self._written[row]
+        self._free.extend(rows)
+
     def sync(self, rows: Sequence[int], tables: Sequence[BlockTable]) -> None:
         """Bring `rows` up to date with `tables` (row i holds table i)."""
         written = self._written
-        for row, table in zip(rows, tables, strict=True):
-            blocks = table.blocks
-            old = written[row]
-            if old != blocks:
-                n = len(blocks)
+        changed = [(row, table.blocks) for row, table in zip(rows, tables, strict=True) if written[row] != table.blocks]
+        if len(changed) < 8:  # a few rows (a jit draft, a prefill): row by row
+            for row, blocks in changed:
+                n, old = len(blocks), written[row]
                 if n > self.array.shape[1]:
                     self._widen(n)
                 self.array[row, :n] = blocks
                 if len(old) > n:
                     self.array[row, n : len(old)] = 0
                 written[row] = blocks.copy()
+            return
+        # many (a pre-draft's new branches): the old entries zeroed and the new ones written in one scatter each
+        idx = np.fromiter((row for row, _ in changed), dtype=np.int64, count=len(changed))
+        lengths = np.fromiter((len(b) for _, b in changed), dtype=np.int64, count=len(changed))
+        old_width = max(len(written[row]) for row, _ in changed)
+        if lengths.max() > self.array.shape[1]:
+            self._widen(int(lengths.max()))
+        if old_width:
+            self.array[idx, :old_width] = 0
+        values = np.fromiter(chain.from_iterable(b for _, b in changed), dtype=np.int32, count=int(lengths.sum()))
+        starts = np.cumsum(lengths) - lengths
+        cols = np.arange(len(values)) - np.repeat(starts, lengths)
+        self.array[np.repeat(idx, lengths), cols] = values
+        for row, blocks in changed:
+            written[row] = blocks.copy()
 
     def _widen(self, width: int) -> None:
         new = np.zeros((self.array.shape[0], max(width, 2 * self.array.shape[1])), dtype=np.int32)

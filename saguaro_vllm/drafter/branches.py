@@ -3,8 +3,8 @@
 A request that has just sent drafts x1..xK for verification holds KV for its committed context (L tokens,
 the last being the pending bonus token) and x1..x_{K-1}, as `SyncDrafter` leaves it. Every candidate
 outcome "j drafts accepted, bonus token t" becomes one branch: a fork of the request's sequence at L + j
-tokens, fed t and then its own drafts. One `runner.forward` per step advances all branches of all requests,
-so K steps draft K tokens for every branch.
+tokens, fed t and then its own drafts. One runner forward per step (`forward_batch`) advances all branches of
+all requests, so K steps draft K tokens for every branch.
 
 Each branch is an ordinary sequence (shared prefix blocks, private tail), attended like any chain (the
 runner's one-token-per-sequence forward, through the compiled `decode_attention` op where it is active):
@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from saguaro_vllm.drafter.kv_cache import OutOfBlocksError
 from saguaro_vllm.drafter.runner import DraftModelRunner
 
 #: (request id, logits [n, vocab] of that request's branches at one step) -> (tokens [n], proposal probs
@@ -58,12 +58,28 @@ class Branch:
     bonus: int
     seq_id: str
     tokens: list[int]
-    #: per step, with keep_logits: where its fp32 logits [vocab] are (next round's depth distributions)
-    #: and, for sampled proposals, its proposal probabilities: (the step's tensor, row) pairs, made into
-    #: views only when read (only the hit's are ever used; a view per branch and step cost ~80 us of host
-    #: time each, 0.16 s per step at batch 64 x 32 branches)
-    logit_refs: list[tuple[torch.Tensor, int]] = field(default_factory=list)
-    prob_refs: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    #: the run's per-step records and this branch's index in them (`logit_refs`, `prob_refs`)
+    _steps: list[_Step] | None = field(default=None, repr=False, compare=False)
+    _index: int = field(default=0, repr=False, compare=False)
+
+    @property
+    def logit_refs(self) -> list[tuple[torch.Tensor, int]]:
+        """Per step, with keep_logits: where its fp32 logits [vocab] are (next round's depth distributions),
+        as (the step's tensor, row) pairs. Built only when read (only the hit's are ever used: a view per
+        branch and step cost ~80 us of host time each, 0.16 s per step at batch 64 x 32 branches, and even a
+        pair per branch and step is 10k a round there)."""
+        steps = self._steps[: len(self.tokens)] if self._steps else []
+        return [(st.logits, st.row(self._index)) for st in steps if st.logits is not None]
+
+    @property
+    def prob_refs(self) -> list[tuple[torch.Tensor, int]]:
+        """Per step, for sampled proposals: (the step's proposal probabilities, row) of this branch."""
+        refs = []
+        for st in self._steps[: len(self.tokens)] if self._steps else []:
+            ref = st.prob_ref(self._index)
+            if ref is not None:
+                refs.append(ref)
+        return refs
 
     @property
     def logit_rows(self) -> list[torch.Tensor]:
@@ -82,6 +98,26 @@ class Branch:
     def probs(self) -> torch.Tensor | None:
         """`[steps, vocab]` proposal probabilities, or None for greedy proposals."""
         return torch.stack(self.prob_rows) if self.prob_rows else None
+
+
+@dataclass
+class _Step:
+    """What one `BranchRun.step` leaves for its branches: the logits (with keep_logits), which row of them
+    is whose, and the sampled requests' proposal probabilities."""
+
+    logits: torch.Tensor | None
+    where: np.ndarray | None  # branch index -> row of this step (None: every branch, in order)
+    probs: list[tuple[torch.Tensor, int]]  # per sampled request: (its probabilities, its first row)
+    prob_of: np.ndarray | None  # branch index -> index into `probs`, or -1
+
+    def row(self, index: int) -> int:
+        return index if self.where is None else int(self.where[index])
+
+    def prob_ref(self, index: int) -> tuple[torch.Tensor, int] | None:
+        if self.prob_of is None or self.prob_of[index] < 0:
+            return None
+        probs, start = self.probs[self.prob_of[index]]
+        return probs, self.row(index) - start
 
 
 def branch_seq_id(req_id: str, depth: int, bonus: int) -> str:
@@ -106,35 +142,19 @@ def _admit(
             if root.context_len + j > computed:
                 raise ValueError(f"request {root.req_id!r}: depth {j} needs {root.context_len + j} tokens of "
                                  f"KV, {computed} are computed (depth K needs the glue first)")
+    order = [(r, *candidates[r][rank]) for rank in range(max((len(c) for c in candidates), default=0))
+             for r in range(len(roots)) if rank < len(candidates[r]) and steps[r] >= 1]
+    forks = [(roots[r].req_id, branch_seq_id(roots[r].req_id, depth, bonus), roots[r].context_len + depth, steps[r])
+             for r, depth, bonus in order]
+    # one call for all forks: `fork` then `reserve` each, in this order, the partial blocks copied together
     admitted: list[list[Branch]] = [[] for _ in roots]
-    counts = [0, 0]  # KV blocks copied by forks, reserved for growth
-    with runner.kv_cache.deferred_copies():  # every fork's partial-block copy in one indexed copy per layer
-        _admit_ranks(runner, roots, candidates, steps, admitted, counts)
-    return admitted, counts[0], counts[1]
-
-
-def _admit_ranks(runner: DraftModelRunner, roots, candidates, steps: list[int], admitted: list[list[Branch]],
-                 counts: list[int]) -> None:
-    for rank in range(max((len(c) for c in candidates), default=0)):
-        for r, root in enumerate(roots):
-            if rank >= len(candidates[r]) or steps[r] < 1:
-                continue
-            depth, bonus = candidates[r][rank]
-            seq_id = branch_seq_id(root.req_id, depth, bonus)
-            free = runner.num_free_blocks
-            try:
-                runner.fork(root.req_id, seq_id, root.context_len + depth)
-            except OutOfBlocksError:
-                continue
-            forked = runner.num_free_blocks
-            try:
-                runner.reserve(seq_id, steps[r])
-            except OutOfBlocksError:
-                runner.free_request(seq_id)
-                continue
-            counts[0] += free - forked
-            counts[1] += forked - runner.num_free_blocks
-            admitted[r].append(Branch(root.req_id, depth, bonus, seq_id, []))
+    copied = grown = 0
+    for (r, depth, bonus), fork, result in zip(order, forks, runner.fork_many(forks), strict=True):
+        if result is not None:  # None: no room for its partial block's copy and growth
+            copied += result[0]
+            grown += result[1]
+            admitted[r].append(Branch(roots[r].req_id, depth, bonus, fork[1], []))
+    return admitted, copied, grown
 
 
 class BranchRun:
@@ -145,7 +165,11 @@ class BranchRun:
     `candidates[r]` lists root r's outcomes `(depth, bonus)` in priority order; depth K needs `glue`
     first. Branches that do not fit in the KV cache are left out (see `_admit`). `num_steps` defaults to
     each root's K; `propose` chooses the tokens (greedy by default); `keep_logits` keeps each step's
-    logits (the next round's bonus distributions if the branch hits).
+    logits (the next round's bonus distributions if the branch hits). `is_greedy(req_id)`: requests whose
+    proposal is the argmax (`greedy`): their rows take one batched argmax instead of `propose`.
+
+    The branches' runner state, their next tokens and the tokens drafted are arrays (a `DecodeBatch`, numpy):
+    a step has no Python per branch; `finish` hands the tokens to the branches.
     """
 
     def __init__(
@@ -157,6 +181,7 @@ class BranchRun:
         propose: Propose = greedy,
         keep_logits: bool = False,
         vocab_size: int | None = None,
+        is_greedy: Callable[[str], bool] | None = None,
     ):
         if len(candidates) != len(roots):
             raise ValueError(f"{len(roots)} roots but {len(candidates)} candidate lists")
@@ -165,61 +190,88 @@ class BranchRun:
         self.runner, self.propose, self.keep_logits, self.vocab_size = runner, propose, keep_logits, vocab_size
         steps = [num_steps if num_steps is not None else r.k for r in roots]
         groups, self.fork_copies, self.growth_blocks = _admit(runner, roots, candidates, steps)
-        # (steps wanted, context length, branch), grouped by root
-        self._flat = [(steps[r], roots[r].context_len, b) for r, group in enumerate(groups) for b in group]
         #: `fork_copies`: KV blocks copied by forks inside a block; `growth_blocks`: blocks reserved for the
         #: branches' tokens past a block edge (all of a round's blocks are taken here, none by `step`).
+        self._branches = [b for group in groups for b in group]  # grouped by root, in candidate order
         #: candidates left out because the KV cache had no room for them
-        self.dropped = sum(len(c) for c in candidates) - len(self._flat)
-        self._logits: list[list[tuple[torch.Tensor, int]]] = [[] for _ in self._flat]
-        self._probs: list[list[tuple[torch.Tensor, int]]] = [[] for _ in self._flat]
+        self.dropped = sum(len(c) for c in candidates) - len(self._branches)
+        self._req_ids = [r.req_id for r in roots]
+        self._owner = np.array([r for r, group in enumerate(groups) for _ in group], dtype=np.int64)  # root
+        self._want = np.array(steps, dtype=np.int64)[self._owner]  # steps each branch wants
+        all_greedy = propose is greedy
+        self._greedy = np.array([all_greedy or (is_greedy is not None and is_greedy(r.req_id)) for r in roots],
+                                dtype=bool)
+        self._batch = runner.decode_batch([b.seq_id for b in self._branches])
+        self._next = np.array([b.bonus for b in self._branches], dtype=np.int64)  # each branch's next input
+        self._tokens = np.zeros((len(self._branches), max(steps, default=0)), dtype=np.int64)
+        self._steps: list[_Step] = []
+        for i, b in enumerate(self._branches):  # (here, not in `finish`: that may be on an answer's path)
+            b._steps, b._index = self._steps, i
         self.steps_done = 0
 
     @property
     def live_rows(self) -> int:
         """Branches the next `step` advances."""
-        return sum(1 for n, _, _ in self._flat if self.steps_done < n)
+        return int(np.count_nonzero(self._want > self.steps_done))
 
     @property
     def done(self) -> bool:
-        return all(self.steps_done >= n for n, _, _ in self._flat)
+        return not (self._want > self.steps_done).any()
 
     @torch.inference_mode()
     def step(self) -> None:
-        """One `runner.forward` over every branch that wants more tokens."""
+        """One runner forward (`forward_batch`) over every branch that wants more tokens."""
         s = self.steps_done
-        live = [i for i, (n, _, _) in enumerate(self._flat) if s < n]
+        wanted = self._want > s
         self.steps_done += 1
-        if not live:
+        n = int(np.count_nonzero(wanted))
+        if not n:
             return
-        chunks = []
-        for i in live:
-            _, ctx_len, b = self._flat[i]
-            chunks.append((b.seq_id, [b.tokens[-1] if s else b.bonus], ctx_len + b.depth + s))
-        logits = self.runner.forward(chunks)
+        live = None if n == len(wanted) else np.flatnonzero(wanted)
+        rows = slice(None) if live is None else live
+        logits = self.runner.forward_batch(self._batch, self._next[rows], live)
         if self.vocab_size:
             logits = logits[:, : self.vocab_size]
-        start, chosen = 0, []
-        while start < len(live):  # one propose call per request: its branches are contiguous
-            req_id = self._flat[live[start]][2].req_id
-            end = start
-            while end < len(live) and self._flat[live[end]][2].req_id == req_id:
-                end += 1
-            tokens, probs = self.propose(req_id, logits[start:end])
-            chosen.append(tokens.reshape(-1))
-            for row, i in enumerate(live[start:end]):
-                if self.keep_logits:
-                    self._logits[i].append((logits, start + row))
-                if probs is not None:
-                    self._probs[i].append((probs, row))
-            start = end
+        owner = self._owner[rows]
+        probs: list[tuple[torch.Tensor, int]] = []
+        prob_of = None
+        if self._greedy[owner].all():
+            chosen = logits.argmax(dim=-1)  # row by row the same as one argmax per request
+        else:  # one call per request: its branches are contiguous
+            ends = np.flatnonzero(owner[1:] != owner[:-1]) + 1
+            parts = []
+            for start, end in zip([0, *ends.tolist()], [*ends.tolist(), n], strict=True):
+                r = int(owner[start])
+                if self._greedy[r]:
+                    parts.append(logits[start:end].argmax(dim=-1))
+                    continue
+                tokens, p = self.propose(self._req_ids[r], logits[start:end])
+                parts.append(tokens.reshape(-1))
+                if p is not None:
+                    if prob_of is None:
+                        prob_of = np.full(len(self._want), -1, dtype=np.int64)
+                    prob_of[(np.arange(start, end) if live is None else live[start:end])] = len(probs)
+                    probs.append((p, start))
+            chosen = torch.cat(parts)
         # every branch's token in one device-to-host transfer (not one per branch: 512 at batch 16 x 32)
-        for i, tok in zip(live, torch.cat(chosen).tolist(), strict=True):
-            self._flat[i][2].tokens.append(tok)
+        tokens = np.array(chosen.tolist(), dtype=np.int64)
+        self._next[rows] = tokens
+        self._tokens[rows, s] = tokens
+        where = None
+        if live is not None:
+            where = np.full(len(self._want), -1, dtype=np.int64)
+            where[live] = np.arange(n)
+        self._steps.append(_Step(logits if self.keep_logits else None, where, probs, prob_of))
 
     def finish(self) -> list[Branch]:
         """The branches (grouped by root, in candidate order), each owning its runner sequence: free it, or
         `runner.adopt` it on a hit. Branches cut short before their first step have no tokens."""
-        for (_, _, b), lg, pr in zip(self._flat, self._logits, self._probs, strict=True):
-            b.logit_refs, b.prob_refs = lg, pr
-        return [b for _, _, b in self._flat]
+        done = min(self.steps_done, self._tokens.shape[1])
+        rows = self._tokens[:, :done].tolist()
+        if (self._want >= done).all():  # every branch drafted `done` tokens
+            for b, tokens in zip(self._branches, rows, strict=True):
+                b.tokens = tokens
+        else:
+            for b, tokens, count in zip(self._branches, rows, np.minimum(self._want, done).tolist(), strict=True):
+                b.tokens = tokens[:count]
+        return list(self._branches)

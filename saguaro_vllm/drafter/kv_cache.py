@@ -10,7 +10,9 @@ common prefix instead of copying it; shared blocks are read-only (copy-on-write)
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -127,6 +129,21 @@ class BlockAllocator:
                 raise ValueError(f"block {b} shared while free")
         for b in blocks:
             self._refs[b] += 1
+
+    def free_many(self, tables: list[list[int]]) -> None:
+        """`free(blocks)` for each list in order (the same free list, block for block); all checked before
+        anything changes."""
+        refs = self._refs
+        drops = collections.Counter(itertools.chain.from_iterable(tables))
+        for b, n in drops.items():
+            if n > refs[b]:
+                raise ValueError(f"block {b} freed twice or never allocated")
+        free = self._free
+        for blocks in tables:
+            for b in reversed(blocks):
+                refs[b] -= 1
+                if not refs[b]:
+                    free.append(b)
 
     def free(self, blocks: list[int]) -> None:
         """One holder fewer for each of `blocks`; checked in full before anything changes."""
@@ -249,6 +266,77 @@ class PagedKVCache:
     def new_block_table(self) -> BlockTable:
         return BlockTable(self.allocator, self.block_size, self.copy_block)
 
+    def fork_tables(self, tables: list[BlockTable], num_tokens: list[int], new_tokens: list[int]
+                    ) -> list[tuple[BlockTable | None, int, int]]:
+        """For each (table, n, m) in order: `table.fork(n)`, then `ensure(n + m, write_from=n)` on the child,
+        where the free blocks hold both (the partial block's copy and the growth past it); else nothing (a
+        fork whose growth does not fit gives its copy back: the free list is as before). The same blocks,
+        block for block, as those calls one by one; but a fork's only Python is its own new blocks: the
+        shared prefix's reference counts are raised once per table and fork length, and the partial blocks are
+        copied together (`copy_blocks`). Returns per fork (child table or None, blocks copied, blocks
+        grown). `n` must be within the table's capacity (ValueError before anything changes)."""
+        bs, alloc, copy_block = self.block_size, self.allocator, self.copy_block
+        longest: dict[int, tuple[BlockTable, int]] = {}  # per table (by id): the longest fork
+        for table, n in zip(tables, num_tokens, strict=True):
+            if n < 0:
+                raise ValueError(f"cannot fork {n} tokens")
+            if n > longest.get(id(table), (table, 0))[1]:
+                longest[id(table)] = (table, n)
+        for table, n in longest.values():
+            if n > table.capacity:
+                raise ValueError(f"cannot fork {n} tokens from a table holding {table.capacity}")
+        free, refs = alloc._free, alloc._refs
+        num_free = len(free)
+        first: dict[int, int] = {}  # id(table) -> the index of its first fork
+        shared: list[tuple[int, int]] = []  # (that index, full blocks) per fork
+        copies: list[tuple[int, int]] = []
+        out: list[tuple[BlockTable | None, int, int]] = []
+        for i, (table, n, m) in enumerate(zip(tables, num_tokens, new_tokens, strict=True)):
+            full, partial = divmod(n, bs)
+            copied = 1 if partial else 0
+            need = max(copied, -(-(n + m) // bs) - full)  # the partial block's copy, then the growth
+            if need > num_free:
+                out.append((None, 0, 0))
+                continue
+            child = BlockTable(alloc, bs, copy_block)
+            if need:
+                num_free -= need
+                new = free[num_free:][::-1]
+                del free[num_free:]
+                for b in new:
+                    refs[b] = 1
+                if partial:
+                    copies.append((table.blocks[full], new[0]))
+                child.blocks = table.blocks[:full] + new
+            else:
+                child.blocks = table.blocks[:full]
+            if full:
+                shared.append((first.setdefault(id(table), i), full))
+            out.append((child, copied, need - copied))
+        # the shared prefixes' new holders: one pass over a table's blocks per fork length, not per fork
+        for (i, full), forks in collections.Counter(shared).items():
+            for b in tables[i].blocks[:full]:
+                refs[b] += forks
+        self.copy_blocks(copies)
+        return out
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """`copy_block(src, dst)` for each (src, dst), as one indexed copy per layer (none of the dst may be
+        a src); inside `deferred_copies`, at its end with the others."""
+        if not pairs:
+            return
+        if self._deferred is not None:
+            self._deferred.update((dst, src) for src, dst in pairs)
+            return
+        self._copy_indexed([dst for _, dst in pairs], [src for src, _ in pairs])
+
+    def _copy_indexed(self, dst: list[int], src: list[int]) -> None:
+        device = self.layers[0].device
+        dst_t = torch.tensor(dst, dtype=torch.long, device=device)
+        src_t = torch.tensor(src, dtype=torch.long, device=device)
+        for layer in self.layers:  # index_copy_ of a gathered copy: a third of `layer[:, dst] = layer[:, src]`'s time
+            layer.index_copy_(1, dst_t, layer.index_select(1, src_t))
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block `src` into block `dst` in every layer (keys and values); inside `deferred_copies`, at
         its end, together with the others."""
@@ -273,8 +361,4 @@ class PagedKVCache:
         finally:
             pending, self._deferred = self._deferred, None
             if pending:
-                device = self.layers[0].device
-                dst = torch.tensor(list(pending), dtype=torch.long, device=device)
-                src = torch.tensor(list(pending.values()), dtype=torch.long, device=device)
-                for layer in self.layers:
-                    layer[:, dst] = layer[:, src]
+                self._copy_indexed(list(pending), list(pending.values()))

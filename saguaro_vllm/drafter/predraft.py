@@ -73,7 +73,8 @@ class PreDrafter:
                     self._fanout = fan
                 candidates.append(candidates_from(root_top, root.drafts, fan))
             run = BranchRun(self.runner, roots, candidates, num_steps=plan.steps, propose=self._propose_branches,
-                            keep_logits=True, vocab_size=self.vocab_size)
+                            keep_logits=True, vocab_size=self.vocab_size,
+                            is_greedy=lambda req_id: self.reqs[req_id].sampling.greedy)
             self._run = run
             stats.dropped = run.dropped
             stats.fork_copies, stats.branch_blocks = run.fork_copies, run.growth_blocks

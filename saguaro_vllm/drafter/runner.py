@@ -38,11 +38,30 @@ logger = logging.getLogger(__name__)
 Chunk = tuple[str, Sequence[int], int]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Request:
     block_table: BlockTable
     row: int  # its row of the runner's BlockRows
     num_computed: int = 0  # tokens whose KV is valid, always a prefix of the sequence
+
+
+class DecodeBatch:
+    """Sequences that are fed one token each, forward after forward (a pre-draft's branches), with their runner
+    state as arrays: block-table rows, positions, and how far each can write without a new or a private block.
+    `DraftModelRunner.forward_batch` runs them with no Python per row; the arrays are read again from the
+    runner's requests only when something else changed the runner since (its `epoch`). Built by
+    `DraftModelRunner.decode_batch`."""
+
+    def __init__(self, seq_ids: Sequence[str], reqs: list[_Request]):
+        self.seq_ids = list(seq_ids)
+        self.reqs = reqs
+        self.rows = np.zeros(len(reqs), dtype=np.int64)  # BlockRows row of each sequence
+        self.positions = np.zeros(len(reqs), dtype=np.int64)  # == num_computed
+        self.limits = np.zeros(len(reqs), dtype=np.int64)  # positions below it are in private blocks
+        self.epoch = -1  # the runner's epoch the arrays were read at
+
+    def __len__(self) -> int:
+        return len(self.reqs)
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,9 @@ class DraftModelRunner:
         self.block_size = kv_cache_cfg.block_size
         self.max_tokens_per_seq = max_tokens_per_seq
         self._requests: dict[str, _Request] = {}
+        #: changes with every change of any sequence's blocks or computed tokens other than through a
+        #: `DecodeBatch`'s own forwards (which keep the arrays of that batch up to date)
+        self._epoch = 0
         #: One-token-per-sequence passes use the compiled branch-attention op (when it is built for this
         #: device; `SAGUARO_OPS=reference` turns it off) instead of the per-sequence reference loop.
         self.fused_decode = loader.use_compiled(self.device)
@@ -121,9 +143,25 @@ class DraftModelRunner:
     def free_request(self, req_id: str) -> None:
         """Forget the request and let go of all its blocks (on finish or preemption; also for forks)."""
         req = self._get(req_id)
+        self._epoch += 1
         req.block_table.shrink(0)
         self._rows.release(req.row)
         del self._requests[req_id]
+
+    def free_many(self, req_ids: Sequence[str]) -> None:
+        """`free_request` of each (all known, none twice), in order: the same free list, block for block;
+        the blocks checked and let go in one pass, the block-table rows cleared together."""
+        if len(set(req_ids)) != len(req_ids):
+            raise ValueError("a request appears twice among those to free")
+        reqs = [self._get(r) for r in req_ids]
+        self._epoch += 1
+        self.kv_cache.allocator.free_many([r.block_table.blocks for r in reqs])
+        for r in reqs:
+            r.block_table.blocks = []
+        self._rows.release_many([r.row for r in reqs])
+        requests = self._requests
+        for req_id in req_ids:
+            del requests[req_id]
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -137,12 +175,14 @@ class DraftModelRunner:
         if not 0 <= num_tokens <= req.num_computed:
             raise ValueError(f"request {req_id!r}: cannot truncate to {num_tokens} tokens, "
                              f"{req.num_computed} are computed")
+        self._epoch += 1
         req.num_computed = num_tokens
         req.block_table.shrink(num_tokens)
 
     def reserve(self, req_id: str, num_new_tokens: int) -> None:
         """Make room for `num_new_tokens` more tokens; raises OutOfBlocksError (changing nothing)."""
         req = self._get(req_id)
+        self._epoch += 1
         req.block_table.ensure(req.num_computed + num_new_tokens, write_from=req.num_computed)
 
     def blocks_needed(self, req_id: str, num_new_tokens: int) -> int:
@@ -162,7 +202,37 @@ class DraftModelRunner:
         if not 0 <= num_tokens <= parent.num_computed:
             raise ValueError(f"request {parent_id!r}: cannot fork {num_tokens} tokens, "
                              f"{parent.num_computed} are computed")
+        self._epoch += 1
         self._requests[child_id] = _Request(parent.block_table.fork(num_tokens), self._rows.acquire(), num_tokens)
+
+    def fork_many(self, forks: Sequence[tuple[str, str, int, int]]) -> list[tuple[int, int] | None]:
+        """For each `(parent_id, child_id, num_tokens, new_tokens)` in order: `fork(parent_id, child_id,
+        num_tokens)` then `reserve(child_id, new_tokens)`, or nothing at all where the free blocks do not hold
+        the fork's partial-block copy and its growth (None; what `fork` + `reserve` + `free_request` on
+        failure leave: the same blocks, block for block). Returns per fork (blocks copied, blocks reserved
+        for growth). The prefix blocks' reference counts are raised once per parent and depth, the partial
+        blocks copied in one indexed copy per layer (`PagedKVCache.fork_tables`). Checks every fork first:
+        ValueError changes nothing."""
+        known = {p: self._get(p) for p in dict.fromkeys(f[0] for f in forks)}
+        parents = [known[f[0]] for f in forks]
+        children = set()
+        for (parent_id, child_id, n, m), parent in zip(forks, parents, strict=True):
+            if child_id in self._requests or child_id in children:
+                raise ValueError(f"request {child_id!r} is already known to the draft runner")
+            children.add(child_id)
+            if not 0 <= n <= parent.num_computed:
+                raise ValueError(f"request {parent_id!r}: cannot fork {n} tokens, {parent.num_computed} are "
+                                 "computed")
+            if m < 0:
+                raise ValueError(f"request {child_id!r}: cannot reserve {m} tokens")
+        self._epoch += 1
+        tables = self.kv_cache.fork_tables([p.block_table for p in parents], [f[2] for f in forks],
+                                           [f[3] for f in forks])
+        acquire, requests = self._rows.acquire, self._requests
+        for (_, child_id, n, _), (table, _, _) in zip(forks, tables, strict=True):
+            if table is not None:
+                requests[child_id] = _Request(table, acquire(), n)
+        return [None if table is None else (copied, grown) for table, copied, grown in tables]
 
     def adopt(self, child_id: str, parent_id: str) -> None:
         """Make `child_id`'s sequence the sequence of `parent_id` and forget `child_id`; the parent's old
@@ -170,6 +240,7 @@ class DraftModelRunner:
         child, parent = self._get(child_id), self._get(parent_id)
         if child_id == parent_id:
             raise ValueError(f"request {child_id!r} cannot adopt itself")
+        self._epoch += 1
         parent.block_table.shrink(0)
         self._rows.release(parent.row)
         self._requests[parent_id] = child
@@ -204,6 +275,7 @@ class DraftModelRunner:
         if len(counts) != len(chunks):
             raise ValueError(f"{len(chunks)} chunks but {len(counts)} num_logits")
         reqs = self._validate(chunks, counts)
+        self._epoch += 1
         self._reserve_all(chunks, reqs)
         static = self.static
         if (static is not None and all(len(c[1]) == 1 for c in chunks)
@@ -229,6 +301,93 @@ class DraftModelRunner:
                 rows[piece.index].append(part)
                 done[piece.index] = piece.end
         return torch.cat([t for chunk_rows in rows for t in chunk_rows])
+
+    def decode_batch(self, seq_ids: Sequence[str]) -> DecodeBatch:
+        """A `DecodeBatch` of these sequences (each at most once), for `forward_batch`."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("a sequence appears twice in one decode batch")
+        return DecodeBatch(seq_ids, [self._get(s) for s in seq_ids])
+
+    @torch.inference_mode()
+    def forward_batch(self, batch: DecodeBatch, tokens: np.ndarray, live: np.ndarray | None = None) -> torch.Tensor:
+        """One token for each sequence of `batch` (or of those at the indices `live`, in that order):
+        `tokens[i]` for the i-th of them. The same KV, fp32 logits `[rows, vocab]` and bookkeeping as
+        `forward` with the chunks `(seq_id, [token], num_computed)`, which it runs instead where a row would
+        need a new block or write a shared one; otherwise without Python per row."""
+        if batch.epoch != self._epoch:
+            self._refresh(batch)
+        idx = slice(None) if live is None else live
+        positions = batch.positions[idx]
+        n = len(positions)
+        if n == 0:
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        if not (positions < batch.limits[idx]).all():
+            ids = batch.seq_ids if live is None else [batch.seq_ids[i] for i in live]
+            return self.forward([(s, [t], p) for s, t, p in zip(ids, np.asarray(tokens).tolist(), positions.tolist(),
+                                                                 strict=True)])
+        rows = batch.rows[idx]
+        static = self.static
+        if static is not None and static.fits(n, int(positions.max())):
+            logits = static.run(tokens, positions, rows, self._rows.array)
+        else:
+            logits = self._run_decode(rows, positions, tokens)
+        batch.positions[idx] += 1
+        for req in batch.reqs if live is None else [batch.reqs[i] for i in live]:
+            req.num_computed += 1
+        self._epoch += 1  # other batches holding these sequences read them again
+        batch.epoch = self._epoch
+        return logits
+
+    def _refresh(self, batch: DecodeBatch) -> None:
+        """Read a batch's arrays from its sequences' state (and bring their block-table rows up to date)."""
+        reqs = batch.reqs
+        current = list(map(self._requests.get, batch.seq_ids))
+        if current != reqs:  # (identity first: the same objects compare equal at C speed)
+            seq_id = next(s for s, a, b in zip(batch.seq_ids, current, reqs, strict=True) if a is not b)
+            raise ValueError(f"sequence {seq_id!r} of a decode batch was freed or adopted")
+        rows = [r.row for r in reqs]
+        self._rows.sync(rows, [r.block_table for r in reqs])
+        batch.rows[:] = rows
+        batch.positions[:] = [r.num_computed for r in reqs]
+        bs, refs = self.block_size, self.kv_cache.allocator._refs
+        limits = []
+        for req in reqs:  # the first shared or missing block at or after the next position
+            blocks, i = req.block_table.blocks, req.num_computed // bs
+            end = len(blocks)
+            while i < end and refs[blocks[i]] == 1:
+                i += 1
+            limits.append(i * bs)
+        batch.limits[:] = limits
+        batch.epoch = self._epoch
+
+    def _run_decode(self, rows: np.ndarray, positions: np.ndarray, tokens) -> torch.Tensor:
+        """`_run` for one token per row (`rows`: BlockRows rows, up to date), every row's logits."""
+        n, bs = len(rows), self.block_size
+        ints = np.empty(2 * n + 1, dtype=np.int32)  # query_start_loc, then seq_lens: one host-to-device copy
+        query_start, seq_lens = ints[: n + 1], ints[n + 1 :]
+        query_start[:] = np.arange(n + 1)
+        np.add(positions, 1, out=seq_lens)
+        seq_lens_cpu = seq_lens.tolist()
+        max_seq_len = max(seq_lens_cpu)
+        table = self._rows.array[rows, : -(-max_seq_len // bs)]
+        longs = np.empty(3 * n, dtype=np.int64)  # ids, positions, slots
+        longs[:n] = tokens
+        longs[n : 2 * n] = positions
+        np.add(table[np.arange(n), positions // bs].astype(np.int64) * bs, positions % bs, out=longs[2 * n :])
+        longs_t, ints_t = self._array(longs), self._array(ints)
+        meta = AttentionMetadata(
+            slot_mapping=longs_t[2 * n :],
+            query_start_loc=ints_t[: n + 1],
+            seq_lens=ints_t[n + 1 :],
+            block_table=self._array(table),
+            query_start_loc_cpu=query_start.tolist(),
+            seq_lens_cpu=seq_lens_cpu,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            backend=self._backend(1),
+        )
+        hidden = self.model(longs_t[:n], longs_t[n : 2 * n], self.kv_cache.layers, meta)
+        return self.model.compute_logits(hidden)
 
     def _run(self, chunks: Sequence[Chunk], chunk_reqs: list[_Request], pieces: list[_Piece],
              num_logits: list[int]) -> tuple[torch.Tensor, list[int]]:

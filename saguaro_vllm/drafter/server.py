@@ -131,14 +131,23 @@ def build_drafter(cfg: dict):
 
 def _slow_down(runner, delay_s: float) -> None:
     """Testing aid (`SAGUARO_DRAFTER_DELAY_S`): every drafter forward takes `delay_s` longer, e.g. to
-    check that a drafter slower than the target still gives exact output."""
-    forward = runner.forward
+    check that a drafter slower than the target still gives exact output. Both kinds of forward: `forward`
+    and `forward_batch` (branch steps; once, also where it runs `forward` for rows without room)."""
+    inside = [False]
 
-    def slow_forward(*args, **kwargs):
-        time.sleep(delay_s)
-        return forward(*args, **kwargs)
+    def slowed(fn):
+        def slow_forward(*args, **kwargs):
+            outer, inside[0] = inside[0], True
+            try:
+                if not outer:
+                    time.sleep(delay_s)
+                return fn(*args, **kwargs)
+            finally:
+                inside[0] = outer
+        return slow_forward
 
-    runner.forward = slow_forward
+    runner.forward = slowed(runner.forward)
+    runner.forward_batch = slowed(runner.forward_batch)
 
 
 def _parent_alive(pid: int) -> bool:

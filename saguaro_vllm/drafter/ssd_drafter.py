@@ -113,7 +113,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
     def __init__(self, runner: DraftModelRunner, vocab_size: int, options: dict, max_model_len: int | None = None):
         super().__init__(runner, vocab_size, keep_logits=True, max_model_len=max_model_len)
         self.opts = options
-        self.cache = SpeculationCache(release=self._defer_release)
+        self.cache = SpeculationCache(release=self._defer_release, release_many=self._defer_release_many)
         self._garbage: list[str] = []  # branch sequences to free once the answer is out
         self._total_blocks = runner.num_free_blocks
         self.planner = RoundPlanner(options)  # measurements and decisions (no model work)
@@ -139,10 +139,13 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         """Branches that lost their round are freed after the answer is sent (off the critical path)."""
         self._garbage.append(seq_id)
 
+    def _defer_release_many(self, seq_ids: list[str]) -> None:
+        self._garbage.extend(seq_ids)
+
     def _flush_garbage(self) -> None:
         garbage, self._garbage = self._garbage, []
-        for seq_id in garbage:
-            self._release(seq_id)
+        has = self.runner.has_request
+        self.runner.free_many([s for s in dict.fromkeys(garbage) if has(s)])  # in order, each once
 
     def free(self, req_id: str) -> None:
         self.cache.drop(req_id)
