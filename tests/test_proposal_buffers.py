@@ -85,12 +85,15 @@ def reference_dense(drafts, row_index, probs, k, vocab):
     return dense
 
 
+@pytest.mark.parametrize("with_unread", [False, True])
 @pytest.mark.parametrize("elsewhere", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_assembly_equals_the_loop_reference(seed, elsewhere, monkeypatch):
+def test_assembly_equals_the_loop_reference(seed, elsewhere, with_unread, monkeypatch):
     """`elsewhere`: the target's device is not the slot's (a host ring feeding a CUDA target): the sampled
     rows move once and the one-hot rows are built on the target's side (taken on CPU by declaring the
-    devices different)."""
+    devices different). `with_unread`: some deterministic rows belong to greedy requests, whose q vLLM never
+    reads (`test_greedy_requests_q_is_never_read`): in the slot they are left exactly as they were, every
+    other row is still the reference's."""
     from saguaro_vllm.shared import proposal_buffers
 
     if elsewhere:
@@ -111,7 +114,11 @@ def test_assembly_equals_the_loop_reference(seed, elsewhere, monkeypatch):
     if not sampled:
         assert slot == -1
         slot = 0
-    got, answer_rows = assemble(ring.slot(slot), rows, answer_drafts, k, device="cpu" if elsewhere else None)
+    unread = {j for j in range(batch) if answer_drafts[j] and j not in sampled and rng.random() < 0.5
+              } if with_unread else set()
+    before = ring.slot(slot).clone()
+    got, answer_rows = assemble(ring.slot(slot), rows, answer_drafts, k, device="cpu" if elsewhere else None,
+                                unread=unread)
     batch_drafts = [[] for _ in range(batch + 3)]
     for j, i in enumerate(row_index):
         batch_drafts[i] = answer_drafts[j]
@@ -119,7 +126,10 @@ def test_assembly_equals_the_loop_reference(seed, elsewhere, monkeypatch):
     assert sorted(answer_rows) == [j for j in range(batch) if answer_drafts[j]]
     for r, j in enumerate(answer_rows):  # what vLLM reads: each row's drafted positions
         n = len(answer_drafts[j])
-        assert torch.equal(got[r, :n], want[row_index[j], :n]), (seed, j)
+        if j in unread and not elsewhere:
+            assert torch.equal(got[r], before[r]), (seed, j)  # not written: no zero-fill, no one-hot
+        else:
+            assert torch.equal(got[r, :n], want[row_index[j], :n]), (seed, j)
     # a view of the slot, not a copy; or, for another device, its own tensor
     assert (got.data_ptr() == ring.slot(slot).data_ptr()) != elsewhere
     ring.close()
@@ -446,3 +456,76 @@ def _spy(fn, calls):
         calls.append(a)
         return fn(*a, **kw)
     return spied
+
+
+def test_draft_positions_equal_the_loop_reference():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        drafts = [rng.integers(0, 100, int(rng.integers(0, 6))).tolist() for _ in range(int(rng.integers(0, 9)))]
+        want = [(r, p, t) for r, d in enumerate(drafts) for p, t in enumerate(d)]
+        rows, pos, toks = proposal_buffers.draft_positions(drafts)
+        assert all(x.dtype == torch.long for x in (rows, pos, toks))
+        assert list(zip(rows.tolist(), pos.tolist(), toks.tolist(), strict=True)) == want
+
+
+def test_published_rows_follow_the_answer_order():
+    """`mode: async` adds q' of hits first and of jit rows later; the slot rows still follow the answer rows,
+    the batch's order, in which the target's sampler reads them without a copy (test_draft_prob_view.py)."""
+    import types
+
+    from saguaro_vllm.drafter.sync_drafter import SyncDrafter
+
+    k, vocab = 2, 11
+    ring = ProposalRing.create(rows=6, k=k, vocab=vocab)
+    try:
+        drafter = SyncDrafter.__new__(SyncDrafter)
+        drafter.probs_ring, drafter.num_no_probs_slot = ring, 0
+        req = types.SimpleNamespace(step=1, rows=[types.SimpleNamespace(req_id=f"r{i}") for i in range(5)])
+        drafts = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]]
+        probs = {}
+        for i in (3, 1, 4, 0):  # hits 3 and 1, then jit rows 4 and 0
+            probs[i] = [torch.full((vocab,), float(i))] * k
+        slot, rows = drafter._publish_probs(req, drafts, probs, None)
+        assert rows == [0, 1, 3, 4]
+        assert [int(ring.slot(slot)[r, 0, 0]) for r in range(4)] == [0, 1, 3, 4]
+    finally:
+        ring.close()
+
+
+def test_proposer_leaves_greedy_requests_rows_alone():
+    """A batch mixing greedy and sampled requests: the greedy requests' rows keep whatever the slot held
+    (vLLM never reads them), a sampled request with a deterministic (n-gram) draft still gets its one-hot
+    row, the sampled rows their q; every drafted request has a row."""
+    import types
+
+    from saguaro_vllm.shared.transport import StepResponse
+    from saguaro_vllm.worker.metrics import SaguaroMetrics
+    from saguaro_vllm.worker.proposer import SaguaroProposer
+
+    k, vocab = 2, 13
+    ring = ProposalRing.create(rows=5, k=k, vocab=vocab)
+    try:
+        ring.slot(0).fill_(0.25)  # what earlier steps left
+        w = SlotWriter(ProposalRing.attach(ring.spec()), seq=3)
+        w.put(1, torch.full((k, vocab), 1.0 / vocab))
+        slot, rows = w.finish()
+        assert (slot, rows) == (0, [1])
+        proposer = SaguaroProposer.__new__(SaguaroProposer)
+        proposer.ring, proposer.k, proposer._capped_logged = ring, k, False
+        req_ids = ["g0", "s1", "g2", "s3"]  # s3: sampled request, n-gram draft without q
+        proposer.runner = types.SimpleNamespace(device=torch.device("cpu"),
+                                                input_batch=types.SimpleNamespace(greedy_reqs={"g0", "g2"}))
+        proposer.logger = types.SimpleNamespace(warning=lambda *a: None, info=lambda *a: None)
+        proposer.metrics = SaguaroMetrics({}, proposer.logger)
+        drafts = [[4, 5], [6, 7], [8, 9], [10, 11]]
+        resp = StepResponse(3, [list(d) for d in drafts], {}, 0.0, probs_slot=slot, probs_rows=rows)
+        assert proposer._take_probs(resp, drafts, [0, 1, 2, 3], req_ids) == 0
+        probs, ids = proposer.take_last_draft_probs(), proposer.take_last_draft_prob_req_ids()
+        assert ids == ["s1", "g0", "g2", "s3"] and probs.shape == (4, k, vocab)
+        assert torch.equal(probs[0], torch.full((k, vocab), 1.0 / vocab))
+        assert (probs[1] == 0.25).all() and (probs[2] == 0.25).all()  # untouched
+        onehot = torch.zeros(k, vocab)
+        onehot[0, 10] = onehot[1, 11] = 1.0
+        assert torch.equal(probs[3], onehot)
+    finally:
+        ring.close()

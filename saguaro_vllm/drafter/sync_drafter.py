@@ -340,7 +340,9 @@ class SyncDrafter:
         self.probs_capped = 0
         if writer is not None and writer.written:  # rows written in place while drafting: keep those with drafts
             writer.compact(lambda i: bool(drafts[i]))
-        rows = [i for i, p in probs.items() if p and drafts[i]]
+        # In answer order (async adds jit rows after the hits): slot rows then follow the batch, the layout
+        # in which the target's sampler reads them without copying (patches/model_runner.aligned_draft_probs)
+        rows = sorted(i for i, p in probs.items() if p and drafts[i])
         if writer is None:
             if not rows:
                 return -1, []

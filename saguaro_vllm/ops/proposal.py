@@ -17,8 +17,10 @@ from saguaro_vllm.ops import loader, reference
 def _per_row(value, n: int, dtype: torch.dtype, device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.to(device=device, dtype=dtype).expand(n).contiguous()
-    if isinstance(value, (list, tuple)):
-        return torch.tensor(value, dtype=dtype, device=device)
+    if isinstance(value, (list, tuple)):  # built on the host, then one copy the host does not wait for
+        # (`torch.tensor(..., device=cuda)` would wait for the device: five waits per call)
+        t = torch.tensor(value, dtype=dtype)
+        return t if torch.device(device).type == "cpu" else t.to(device, non_blocking=True)
     return torch.full((n,), value, dtype=dtype, device=device)
 
 

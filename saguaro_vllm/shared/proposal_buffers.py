@@ -25,7 +25,8 @@ i.e. by what the largest sampled batch needed. Ownership of a slot:
   sampled rows no drafts that step (exact: vLLM then decodes them normally) instead of overwriting.
 
 Only rows with sampled drafts occupy slot rows (compactly, from row 0); greedy rows of the same batch get
-one-hot rows after them, written by the proposer in the slot it holds (`assemble`). So a step whose rows
+one-hot rows after them, written by the proposer in the slot it holds (`assemble`; rows of requests the
+target decodes greedily only hold a place: vLLM never reads their q). So a step whose rows
 with drafts outnumber the slot's rows while one of them is sampled cannot hand vLLM every row's q: the
 drafter keeps the sampled rows that fit beside the deterministic ones (`fit_rows`) and gives the others no
 drafts that step (exact, just slower); the answer counts them (`probs_capped`).
@@ -44,7 +45,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
@@ -161,7 +162,9 @@ class ProposalRing:
             self._tensor = torch.from_numpy(self._data)  # shares the mapping (no copy)
         elif owner:  # device memory of the target's GPU, shared with the drafter by a CUDA IPC handle
             self._data = None
-            self._tensor = torch.empty(slots, rows, k, vocab, dtype=torch.float32, device=device)
+            # zeros once (a memset at start-up): rows `assemble` leaves as they are (`unread`) then hold zeros
+            # or an earlier q, finite floats like the host ring's (its unwritten pages read as zeros)
+            self._tensor = torch.zeros(slots, rows, k, vocab, dtype=torch.float32, device=device)
             self.ipc = export_cuda_tensor(self._tensor)
         else:
             self._data = None
@@ -422,7 +425,8 @@ class SlotWriter:
 
 
 def assemble(slot: torch.Tensor, prob_rows: Sequence[int], drafts: Sequence[Sequence[int]],
-             k: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, list[int]]:
+             k: int, device: torch.device | str | None = None,
+             unread: Collection[int] = ()) -> tuple[torch.Tensor, list[int]]:
     """The rejection sampler's `[rows, k, vocab]` proposal tensor for one step, inside the held `slot`.
 
     `prob_rows[r]`: the answer row whose q the drafter wrote into slot row r (its first len(drafts[row])
@@ -430,6 +434,12 @@ def assemble(slot: torch.Tensor, prob_rows: Sequence[int], drafts: Sequence[Sequ
     rows after them (q = 1 at the draft: exact for any deterministic choice). Returns the tensor (a view of
     the slot's first rows, no copy) and the answer row of each of its rows. Positions past a row's drafts
     are left as they are: vLLM reads only the drafts it schedules, never more than were proposed.
+
+    `unread`: answer rows whose q vLLM never reads, i.e. requests the target decodes greedily (its rejection
+    sampler verifies them against the target's argmax; their q only feeds a recovered token it discards). They
+    still get a row (vLLM wants one for every request with drafts) but it is left as it is: no zero-fill of
+    `[k, vocab]` floats per row and step (2.6 MB at a 128k vocabulary) when greedy and sampled requests share
+    a batch. Rows of sampled requests with deterministic drafts (n-gram backups) still get their one-hot rows.
 
     `device` other than the slot's (a host ring feeding a CUDA target): the sampled rows are copied there in
     one transfer and the one-hot rows are built there, so greedy rows never cross as zeros.
@@ -445,12 +455,19 @@ def assemble(slot: torch.Tensor, prob_rows: Sequence[int], drafts: Sequence[Sequ
         out[:m].copy_(slot[:m])
         if greedy:
             out[m:].zero_()
-            out[m:][tuple(t.to(out.device) for t in draft_positions([list(drafts[j])[:k] for j in greedy]))] = 1.0
+            out[m:][draft_positions([list(drafts[j])[:k] for j in greedy], device=out.device)] = 1.0
         return out, rows
-    if greedy:
+    onehot = [n for n, j in enumerate(greedy) if j not in unread]
+    if onehot:
         block = slot[m: m + len(greedy)]
-        block.zero_()
-        block[draft_positions([list(drafts[j])[:k] for j in greedy])] = 1.0
+        if len(onehot) == len(greedy):
+            block.zero_()
+            block[draft_positions([list(drafts[j])[:k] for j in greedy], device=block.device)] = 1.0
+        else:
+            at = torch.tensor(onehot, dtype=torch.long).to(block.device, non_blocking=True)
+            block.index_fill_(0, at, 0.0)
+            r, pos, tok = draft_positions([list(drafts[greedy[n]])[:k] for n in onehot], device=block.device)
+            block[at[r], pos, tok] = 1.0
     return slot[: len(rows)], rows
 
 
@@ -466,11 +483,18 @@ def fit_rows(sampled: Sequence[int], drafts: Sequence[Sequence[int]], rows: int)
     return list(sampled[:room]), list(sampled[room:])
 
 
-def draft_positions(drafts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row, position, token) index tensors of every draft token of `drafts`, for one gather or scatter."""
-    lens = torch.tensor([len(d) for d in drafts], dtype=torch.long)
-    rows = torch.repeat_interleave(torch.arange(len(drafts)), lens)
-    starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    pos = torch.arange(int(lens.sum())) - starts
-    toks = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
-    return rows, pos, toks
+def draft_positions(drafts: Sequence[Sequence[int]], device: torch.device | str | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, position, token) index tensors of every draft token of `drafts`, for one gather or scatter.
+    Built on the host; with a `device` other than the CPU, moved there in one non-blocking transfer (the host
+    does not wait for the device, as it would for each of three tensors indexing a device tensor)."""
+    lens = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
+    n = int(lens.sum())
+    idx = np.empty((3, n), dtype=np.int64)
+    idx[0] = np.repeat(np.arange(len(drafts), dtype=np.int64), lens)
+    idx[1] = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    idx[2] = np.fromiter((t for d in drafts for t in d), dtype=np.int64, count=n)
+    out = torch.from_numpy(idx)
+    if device is not None and torch.device(device).type != "cpu":
+        out = out.to(device, non_blocking=True)
+    return out[0], out[1], out[2]

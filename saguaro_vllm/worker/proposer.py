@@ -276,7 +276,11 @@ class SaguaroProposer:
         ok = self.ring is not None and self.ring.held(slot, resp.step)
         if ok:
             buf = self.ring.slot(slot)
-            ok = bool((buf[draft_positions([row_drafts[j] for j in rows])] > 0).all())
+            # The drafter drew each token from these very floats, so q > 0 there unless the row is torn, stale
+            # or not this answer's: the host must know before vLLM gets the drafts. One gather; on a device
+            # ring one index transfer that does not wait and one 1-element read, after vLLM's own wait for
+            # this step's sampled tokens (nothing else is queued then).
+            ok = bool((buf[draft_positions([row_drafts[j] for j in rows], device=buf.device)] > 0).all())
         if not ok:
             self.logger.warning("Saguaro: proposal probabilities of step %d unusable (slot %d not held, or a "
                                 "draft without probability); its sampled rows get no drafts", resp.step, slot)
@@ -288,7 +292,10 @@ class SaguaroProposer:
             drafts[row_index[j]] = row_drafts[j] = []
         if not rows:
             return len(capped)
-        probs, answer_rows = assemble(buf, rows, row_drafts, self.k, device=self.runner.device)
+        # requests the target decodes greedily: vLLM never reads their q (`assemble` leaves their rows alone)
+        greedy = getattr(getattr(self.runner, "input_batch", None), "greedy_reqs", None) or ()
+        unread = {j for j, d in enumerate(row_drafts) if d and req_ids[row_index[j]] in greedy}
+        probs, answer_rows = assemble(buf, rows, row_drafts, self.k, device=self.runner.device, unread=unread)
         self._last_probs = probs
         self._last_prob_req_ids = [req_ids[row_index[j]] for j in answer_rows]
         return len(capped)
