@@ -13,8 +13,10 @@ import torch
 
 import saguaro_vllm.drafter.predictor as predictor_module
 from saguaro_vllm.drafter.predictor import (
+    MAX_RANK,
     AcceptanceEstimate,
     OutcomePredictor,
+    OutcomeStats,
     PreDraftPlan,
     StepCostModel,
     allocate_fanout,
@@ -252,3 +254,78 @@ def test_plan_does_not_grow_past_twice_the_largest_measured_forward():
     free = plan_predraft(1.0, cost, batch_size=16, k=5, alpha=0.8, max_branches=32)
     capped = plan_predraft(1.0, cost, batch_size=16, k=5, alpha=0.8, max_branches=32, max_rows=32)
     assert free.branches == 32 and capped.branches == 2 and capped.steps == 5
+
+
+def _t1_like_rounds(n: int, seed: int = 0) -> list[tuple[int, int]]:
+    """(accepted, rank) of K=5 rounds shaped like the demo pair's at T=1 (2026-12-06 trace): 45 % reject
+    the first draft with the bonus spread over ~20 ranks (a fifth not among the candidates), a fifth
+    accept all and mostly rank 0-5, the rest in between."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        u = rng.random()
+        if u < 0.45:
+            out.append((0, rng.randrange(20) if rng.random() < 0.8 else MAX_RANK))
+        elif u < 0.65:
+            out.append((5, min(int(rng.expovariate(0.5)), MAX_RANK)))
+        else:
+            out.append((rng.randrange(1, 5), rng.randrange(40)))
+    return out
+
+
+def test_outcome_stats_allocation_spends_the_budget_where_hits_are():
+    """Measured ranks and depths move the budget: the flat depth-0 residual gets most branches at T=1
+    (the geometric shape gave it 5 of 24); at T=0 (every best candidate right) one branch per depth."""
+    stats = OutcomeStats()
+    rounds = _t1_like_rounds(400)
+    for a, rank in rounds:
+        stats.observe(a, 5, rank)
+    fan = stats.allocate(24, 5, alpha=0.6)
+    assert sum(fan) == 24 and fan[0] >= 12 and fan[5] >= 2
+    geometric = allocate_fanout(24, 0.6, 5)
+    assert fan[0] > geometric[0]
+    # the later half of the rounds (the statistics of the first half): more hits than the geometric shape
+    first = OutcomeStats()
+    for a, rank in rounds[:200]:
+        first.observe(a, 5, rank)
+    fan = first.allocate(24, 5, alpha=0.6)
+    hits = sum(rank < fan[a] for a, rank in rounds[200:])
+    hits_geometric = sum(rank < geometric[a] for a, rank in rounds[200:])
+    assert hits > hits_geometric * 1.1
+    greedy = OutcomeStats()
+    for i in range(120):
+        greedy.observe(i % 6, 5, 0)
+    assert greedy.allocate(6, 5, alpha=0.9) == [1] * 6
+    assert sum(greedy.allocate(40, 5, alpha=0.9)) == 40  # budgets past the measured ranks are still spent
+
+
+def test_outcome_stats_model_the_hit_rate_they_measured():
+    stats = OutcomeStats(decay=1.0)
+    rounds = _t1_like_rounds(3000, seed=1)
+    for a, rank in rounds:
+        stats.observe(a, 5, rank)
+    for budget in (6, 12, 24):
+        fan = stats.allocate(budget, 5, alpha=0.6)
+        # ranks past MAX_RANK are not told apart: the model counts a branch beyond them as catching none
+        measured = sum(rank < min(fan[a], MAX_RANK) for a, rank in rounds) / len(rounds)
+        assert stats.hit_rate(fan, alpha=0.6) == pytest.approx(measured, abs=0.03)
+    # allocation is the best of its budget under the model (greedy on non-increasing rank probabilities)
+    best = max((f for f in itertools.product(range(9), repeat=3) if sum(f) == 8),
+               key=lambda f: stats.hit_rate([f[0], 0, 0, 0, f[1], f[2]], alpha=0.6))
+    fan = stats.allocate(8, 5, alpha=0.6)
+    assert stats.hit_rate(fan, 0.6) >= stats.hit_rate([best[0], 0, 0, 0, best[1], best[2]], 0.6) - 1e-12
+    with pytest.raises(ValueError):
+        stats.observe(6, 5, 0)
+
+
+def test_outcome_stats_smooth_sparse_depths_and_keep_rank_probabilities_non_increasing():
+    stats = OutcomeStats()
+    stats.observe(3, 5, 7)  # one rejection at depth 3, its bonus at rank 7
+    probs = stats.rank_probs(3, 5)
+    assert all(x >= y for x, y in zip(probs, probs[1:], strict=False))
+    assert probs[0] > probs[7] > 0  # one observation does not outweigh the pooled prior
+    assert stats.rank_probs(5, 5) == pytest.approx(OutcomeStats().rank_probs(5, 5))  # all-accepted: apart
+    assert sum(stats.depth_probs(5, 0.7)) == pytest.approx(1.0)
+    stats.observe(2, 5, None)  # a round without ranks still counts its accepted count
+    assert stats.depths[5][2] == pytest.approx(1.0)
+

@@ -75,6 +75,21 @@ def test_fixed_fanout_applies_to_ngram_rounds_and_short_drafts():
     assert sum(RoundPlanner({}).fanout_for(4, fast=False, budget=7)) == 7
 
 
+def test_fanout_follows_the_calibrated_outcomes_of_the_requests_temperature():
+    """Neural rounds take their temperature's measured outcomes (`OutcomeStats.allocate`); an unmeasured
+    temperature, n-gram rounds and calls without a temperature keep the geometric shape."""
+    planner = RoundPlanner({})
+    geometric = planner.fanout_for(5, fast=False, budget=24)
+    for i in range(60):  # T=1: rejections of the first draft with the bonus spread over ranks 0..19
+        planner.observe_rank(1.0, 0, 5, i % 20) if i % 3 else planner.observe_rank(1.0, 5, 5, 0)
+    hot = planner.fanout_for(5, fast=False, budget=24, temperature=1.0)
+    assert sum(hot) == 24 and hot[0] >= 15 > geometric[0] and hot[5] >= 1
+    assert planner.fanout_for(5, fast=False, budget=24, temperature=0.0) == geometric  # not measured
+    assert planner.fanout_for(5, fast=False, budget=24) == geometric
+    assert planner.fanout_for(5, fast=True, budget=24, temperature=1.0) == planner.predictor.fanout(24, 5, True)
+    assert sum(planner.ranks.counts) > 20  # the pooled ranks (the plan's model, decayed) see every lookup too
+
+
 def test_draft_now_uses_the_measured_costs_and_rate():
     planner = RoundPlanner({})
     miss = [DraftNow(0, 1, 5, 2.5)]

@@ -50,7 +50,8 @@ class PreDrafter:
             stats.budget, stats.plan_steps = plan.branches, plan.steps
             pays = self.planner.branches_pay_off(plan, len(roots), k)
             fans = [self.planner.fanout_for(len(self._sent[r.req_id].drafts), self._sent[r.req_id].fast,
-                                            plan.branches) for r in roots] if pays else []
+                                            plan.branches, self.reqs[r.req_id].sampling.temperature)
+                    for r in roots] if pays else []
             # every root's best tokens per depth in one selection (ranks, and the candidates if branching)
             widest = max((max(f, default=0) for f in fans), default=0)
             top = top_tokens(torch.cat(scores), max(MAX_RANK, widest) + 1)

@@ -22,13 +22,16 @@ from collections.abc import Sequence
 from saguaro_vllm.drafter.backup import DraftNow, choose_draft_now
 from saguaro_vllm.drafter.depth_choice import DepthChoice
 from saguaro_vllm.drafter.predictor import (
+    MAX_RANK,
     OutcomePredictor,
+    OutcomeStats,
     PreDraftPlan,
     RankEstimate,
     StepCostModel,
     branches_pay_off,
     plan_predraft,
 )
+from saguaro_vllm.drafter.scale_choice import temperature_bucket
 
 logger = logging.getLogger("saguaro_vllm.drafter")
 
@@ -68,6 +71,8 @@ class RoundPlanner:
         self.opts = options
         self.predictor = OutcomePredictor()
         self.ranks = RankEstimate()
+        #: per temperature bucket: the calibrated outcome statistics neural rounds' fan-outs come from
+        self.outcomes: dict[int, OutcomeStats] = {}
         #: measured draft forwards: (tokens fed, logit rows, seconds)
         self.costs: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=COST_SAMPLES)
         self.verify_s: float | None = None
@@ -222,11 +227,24 @@ class RoundPlanner:
             return True
         return False
 
-    def fanout_for(self, k: int, fast: bool, budget: int) -> list[int]:
-        """Fan-out per depth 0..k of a round with k drafts (`fast`: they came from the n-gram backup)."""
+    def observe_rank(self, temperature: float, accepted: int, k: int, rank: int) -> None:
+        """A looked-up neural round (k drafts, `accepted` of them accepted) whose bonus token ranked `rank`
+        among the candidates of its depth (MAX_RANK or more: not among them): the pooled `ranks` (the
+        plan's model) and the calibrated statistics of the request's temperature (the fan-out)."""
+        self.ranks.observe(min(rank, MAX_RANK))
+        self.outcomes.setdefault(temperature_bucket(temperature), OutcomeStats()).observe(accepted, k, rank)
+
+    def fanout_for(self, k: int, fast: bool, budget: int, temperature: float | None = None) -> list[int]:
+        """Fan-out per depth 0..k of a round with k drafts (`fast`: they came from the n-gram backup). A
+        neural round of a request at `temperature` spends the budget where its temperature's calibrated
+        statistics expect the most hits per branch (`OutcomeStats.allocate`); n-gram rounds, whose ranks
+        are not measured, and calls without a temperature keep the geometric shape."""
         fixed = (self.opts.get("miss_fanout") if fast else None) or self.opts.get("fanout")
         if fixed:  # a round with fewer than K drafts (n-gram) keeps the list's depths 0..k-1 and its last
             return list(fixed[:k]) + [fixed[-1]] if len(fixed) != k + 1 else list(fixed)
+        stats = None if fast or temperature is None else self.outcomes.get(temperature_bucket(temperature))
+        if stats is not None:
+            return stats.allocate(budget, k, self.predictor.neural.alpha)
         return self.predictor.fanout(budget, k, fast_backup=fast)
 
     def needs_ngram_drafts(self) -> bool:

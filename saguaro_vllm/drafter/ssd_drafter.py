@@ -327,7 +327,8 @@ class SSDDrafter(PreDrafter, SyncDrafter):
             self.predictor.ngram_matched.observe(outcome.accepted + 1)
         if sent.ranked is not None and not sent.fast:
             ranked = sent.ranked[outcome.accepted]
-            self.planner.ranks.observe(ranked.index(outcome.bonus) if outcome.bonus in ranked else MAX_RANK)
+            self.planner.observe_rank(st.sampling.temperature, outcome.accepted, len(sent.drafts),
+                                      ranked.index(outcome.bonus) if outcome.bonus in ranked else MAX_RANK)
         if self.scale_choice is not None and sent.scale is not None and had_branches:
             self.scale_choice.observe(st.sampling.temperature, sent.scale, outcome.accepted + 1, missed=missed)
 

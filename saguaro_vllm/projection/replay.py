@@ -43,6 +43,7 @@ class _Round:
     fast: bool
     step: int  # index of the step record whose answer sent it
     want: int = 0  # drafts the row wanted (a round of zero drafts: the steps its branches draft)
+    temp: float = 0.0  # the request's temperature (its fan-out's calibrated statistics)
     planned: bool = False  # the pre-draft reached its plan (ranks are observed at the lookup)
     fan: list[int] | None = None  # branches per depth, when the branch steps ran
     steps_done: int = 0  # branch tokens drafted before the next request came
@@ -185,7 +186,7 @@ class SSDReplay:
                     self.predictor.ngram_tokens.observe(a + 1)
                     self.predictor.ngram_matched.observe(a + 1)
                 if rnd.planned and not rnd.fast and rank >= 0:
-                    self.planner.ranks.observe(min(rank, MAX_RANK))
+                    self.planner.observe_rank(r.get("temp", 0.0), a, rnd.k, min(rank, MAX_RANK))
                 if self._counting:
                     self.result.lookups_by_depth[a] += 1
             # rank WIDTH: not among the recorded candidates, so never a hit, whatever the fan-out
@@ -256,7 +257,7 @@ class SSDReplay:
             k = self._served[i]
             if not k and i not in fast:
                 continue
-            self.rounds[r["id"]] = _Round(k, i in fast and k > 0, n, want=self._want(r))
+            self.rounds[r["id"]] = _Round(k, i in fast and k > 0, n, want=self._want(r), temp=r.get("temp", 0.0))
             roots.append(r["id"])
             if self.scale_choice is not None and r.get("temp", 0.0) > 0 and not (i in fast):
                 scale = self.scale_choice.choose(r["temp"], self.planner.verify_s or 1.0, self.planner.miss_cost_s())
@@ -297,7 +298,7 @@ class SSDReplay:
         rows = 0
         for rid in roots:
             rnd = self.rounds[rid]
-            rnd.fan = self.planner.fanout_for(rnd.k, rnd.fast, plan.branches)
+            rnd.fan = self.planner.fanout_for(rnd.k, rnd.fast, plan.branches, rnd.temp)
             rows += sum(rnd.fan)
         self._predraft_plan = {"roots": roots, "steps": plan.steps, "rows": rows}
 
