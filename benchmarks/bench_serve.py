@@ -413,11 +413,12 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs, "summary": merge(runs),
     }
     path = RESULTS / f"{date:%Y-%m-%d}-serve-{a.label}.json"
+    runtime = out["runtime_s"]
     if a.extend:
         path = a.extend
         out = extend_result(json.loads(path.read_text()), out)
     path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path} ({len(runs)} runs, {out['runtime_s']:.0f} s); vLLM's result JSONs in {result_dir}")
+    print(f"wrote {path} ({len(runs)} runs, {runtime:.0f} s); vLLM's result JSONs in {result_dir}")
     return 0
 
 
