@@ -329,3 +329,41 @@ def test_outcome_stats_smooth_sparse_depths_and_keep_rank_probabilities_non_incr
     stats.observe(2, 5, None)  # a round without ranks still counts its accepted count
     assert stats.depths[5][2] == pytest.approx(1.0)
 
+
+
+def test_outcome_stats_lazy_decay_equals_decaying_every_count():
+    """The tables decay through one scale factor (the answer observes every looked-up row): the same
+    counts, probabilities and allocations as multiplying every count at every observation, also after the
+    scale is folded back in (decay 0.5: it would underflow after ~1000 observations)."""
+    import random
+
+    class Eager:
+        def __init__(self, decay):
+            self.decay, self.counts = decay, {}
+
+        def observe(self, accepted, k, rank):
+            self.counts = {key: [c * self.decay for c in v] for key, v in self.counts.items()}
+            self.counts.setdefault(("depth", k), [0.0] * (k + 1))[accepted] += 1.0
+            kind = "all" if accepted == k else "residual"
+            self.counts.setdefault((kind, accepted), [0.0] * (MAX_RANK + 1))[min(rank, MAX_RANK)] += 1.0
+
+    rng = random.Random(0)
+    for decay, n in ((0.99, 400), (0.5, 1200)):
+        lazy, eager = OutcomeStats(decay=decay), Eager(decay)
+        for _ in range(n):
+            k = rng.choice((3, 5))
+            a, rank = rng.randint(0, k), min(int(rng.expovariate(0.3)), MAX_RANK + 3)
+            lazy.observe(a, k, rank)
+            eager.observe(a, k, rank)
+        for (kind, key), counts in eager.counts.items():
+            got = lazy.depths[key] if kind == "depth" else lazy.ranks[(kind, key)]
+            assert got == pytest.approx(counts, rel=1e-9, abs=1e-300)
+        assert lazy._scale >= 1e-100
+        ref = OutcomeStats(decay=1.0)  # fresh tables holding the eager counts, undecayed from here
+        ref._depths = {key: list(v) for (kind, key), v in eager.counts.items() if kind == "depth"}
+        ref._ranks = {(kind, key): list(v) for (kind, key), v in eager.counts.items() if kind != "depth"}
+        ref._pooled = lazy.pooled
+        for j in range(6):
+            assert lazy.rank_probs(j, 5) == pytest.approx(ref.rank_probs(j, 5))
+        assert lazy.depth_probs(5, 0.7) == pytest.approx(ref.depth_probs(5, 0.7))
+        assert lazy.allocate(24, 5, 0.7) == ref.allocate(24, 5, 0.7)
