@@ -18,7 +18,7 @@ logger = logging.getLogger("vllm.saguaro.patches")
 SUPPORTED_VLLM = ((0, 32, 0), (0, 33, 0))
 
 #: Modules of this package whose patches `apply_all` applies, in order.
-PATCH_MODULES = ("spec_config", "cli_args", "model_runner", "cpu_sampling", "tp_sampling")
+PATCH_MODULES = ("spec_config", "cli_args", "model_runner", "cpu_sampling", "tp_sampling", "greedy_rejection")
 
 
 class UnsupportedVLLMVersion(RuntimeError):

@@ -6,7 +6,9 @@
   runner's own draft-probability slot (`_draft_probs`, as vLLM's built-in model drafters do);
 - finished requests, so the drafter frees their state at once (also when the engine goes idle);
 - in the next step's sampling, those probabilities without vLLM's copy when they are already laid out the way
-  the rejection sampler reads them (`aligned_draft_probs`).
+  the rejection sampler reads them (`aligned_draft_probs`);
+- its rejection sampler is marked as a Saguaro one, so that all-greedy batches are verified without vLLM's
+  copies of the target rows (`greedy_rejection.py`).
 Every wrapper is a no-op unless the runner's drafter is a Saguaro proposer.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 
 from saguaro_vllm.patches import vllm_patch
+from saguaro_vllm.patches.greedy_rejection import mark_saguaro
 
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 
@@ -32,6 +35,7 @@ def wrap_propose_draft_token_ids(original):
         if drafter is None:
             return original(self, *args, **kwargs)
         drafter.bind_runner(self)
+        mark_saguaro(self)  # all-greedy verification may skip vLLM's copies of the target rows
         draft_token_ids = original(self, *args, **kwargs)
         probs = drafter.take_last_draft_probs()
         if probs is not None:  # rows in the proposer's order (sampled rows first), each with its request
