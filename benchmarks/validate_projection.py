@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import RESULTS, engine_specs, machine_info, run_one  # noqa: E402
 
 from saguaro_vllm.drafter.trace import read_trace  # noqa: E402
+from saguaro_vllm.projection.calibrate import jitter_from_traces  # noqa: E402
 from saguaro_vllm.projection.cost_model import CostModel, from_trace  # noqa: E402
 from saguaro_vllm.projection.clocks import TraceClock  # noqa: E402
 from saguaro_vllm.projection.replay import SSDReplay  # noqa: E402
@@ -44,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "batch sizes, depths 0,1,3,5)")
     p.add_argument("--verify-from-traces", action="store_true", help="take the target's verification from the "
                    "traces (as the drafter saw it) instead of a verify curve")
+    p.add_argument("--draft-forward-from", help="take the draft forward's fit from this cost model JSON (e.g. the "
+                   "one stored with the traces) instead of the one timed now; the spread is re-measured over it")
     p.add_argument("--traces", help="trace directory: reused if it holds an earlier run's traces (skips the runs), "
                    "else the new traces are kept there")
     p.add_argument("--timeout", type=float, default=900.0)
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = pair.heldout_prompts(max(batches))
     trace_root = Path(a.traces) if a.traces else Path(tempfile.mkdtemp(prefix="saguaro-traces-"))
     cells_file = trace_root / "cells.json"
-    if a.traces and cells_file.exists():
+    reused = bool(a.traces and cells_file.exists())
+    if reused:
         cells = json.loads(cells_file.read_text())
         for cell in cells:  # the directory may have moved since (e.g. kept under benchmarks/results/traces/)
             cell["trace_dir"] = str(trace_root / Path(cell["trace_dir"]).name)
@@ -124,12 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, str(Path(__file__).parent / "verify_curve.py"), "--batch-sizes",
                         a.batch_sizes, "--depths", "0,1,3,5", "--max-tokens", "48"], check=True)
         curve = str(RESULTS / f"{datetime.date.today()}-verify-curve.json")
-    cost_path = trace_root / "cost-model.json"
+    # stored traces keep the cost model they were validated with; a re-validation's model is in its result
+    cost_path = (Path(tempfile.mkdtemp(prefix="saguaro-cost-")) if reused else trace_root) / "cost-model.json"
     traces = [str(trace_of(c)) for c in cells]
     subprocess.run([sys.executable, "-m", "saguaro_vllm.tools.cli", "calibrate", "--draft", draft, "--core", "1",
                     *(["--verify-curve", curve] if curve else []), "--from-trace", *traces, "--out", str(cost_path)],
                    check=True)
     cost = CostModel.load(cost_path)
+    if a.draft_forward_from:  # a timing of the draft taken at another time, with the spread over it
+        stored = CostModel.load(a.draft_forward_from)
+        cost.draft, cost.sources["draft_forward"] = stored.draft, stored.sources["draft_forward"]
+        cost.jitter = jitter_from_traces(traces, cost)
     rows = [compare(c, cost, a.k) for c in cells]
     print(f"\n{'mode':<6} {'batch':>5} {'T':>4} | {'measured tok/s':>14} {'projected':>9} {'error':>7} | "
           f"{'hit measured':>12} {'projected':>9} | {'live replay':>11} | {'own costs':>9} {'error':>7} {'hit':>6}")

@@ -6,7 +6,8 @@
 - `project_spec` (Saguaro `sync` and vLLM `draft_model`) and `project_ar`: no policy to replay; each step
   verifies K drafts per row (or none) and commits the trace's neural outcomes (accepted + 1 per row; rows
   whose live round had no neural drafts draw one from the trace's neural rounds; a request's first step, a
-  prefill, commits no verified tokens, as in `measured` and the SSD replay). `sync` pays the
+  prefill, commits no verified tokens, as in `measured` and the SSD replay). A step's period is the
+  drafting after the step before plus its verification, as `measured` counts it. `sync` pays the
   proposer's and the drafter's host overheads and K batched draft forwards; `draft_model` pays K draft
   forwards of the same cost model in the target's process and its own step overhead.
 - `tile`: a trace's steps at another batch size (rows repeated, or the first B kept), so that one trace at
@@ -143,24 +144,37 @@ def _neural_tokens(steps: list[dict], k: int, seed: int) -> list[list[int]]:
     return out
 
 
+def _first_feed(row: dict, tokens: int | None, k: int) -> int:
+    """Tokens the first draft forward after a step feeds for `row`: a new request's prompt (the trace's
+    `feed`; a `sync` trace records it as the row's `new` tokens), else the bonus (and x_K after a full
+    accept: `tokens` == K + 1)."""
+    if row["st"] == "new":
+        return int(row.get("feed", row.get("new", 1)))
+    return 2 if tokens == k + 1 else 1
+
+
 def project_spec(engine: str, steps: list[dict], k: int, cost: CostModel, seed: int = 0,
                  count_from: int = 0) -> dict:
-    """Saguaro `sync` or vLLM `draft_model`: K drafts per row every step, drafted after the verification. A
-    request's first step feeds its prompt (the trace's `feed`, what the SSD replay feeds it too) in the
-    first draft forward."""
+    """Saguaro `sync` or vLLM `draft_model`: K drafts per row every step, drafted after the verification.
+    Step n's period is the drafting after step n-1 plus step n's verification, as `measured` counts it
+    (from the arrival of step `count_from`'s request to the last one's) and the SSD replay (`period`): so
+    the drafting after step `count_from` is in, that after the last step out. A request's first step feeds
+    its prompt in the first draft forward (until 2026-12-06 the drafting was paired with its own step's
+    verification: the first counted drafting, in a batch-1 trace its prompt's, 108 tokens, was left out,
+    the one after the last step counted, and a `sync` trace's new rows, which have no `feed`, fed 1 token)."""
     tokens = seconds = 0.0
     fv, fd = cost.mean_factor("target_verify"), cost.mean_factor("draft_forward")  # sums: the spread's mean
-    feeds = [[r.get("feed", 1) if r["st"] == "new" else 1 for r in s["rows"]] for s in steps[1:]]
-    for row_tokens, feed in zip(_neural_tokens(steps, k, seed)[count_from:], feeds[count_from:], strict=True):
-        b = len(row_tokens)
-        verify = fv * cost.verify_s(b, 1 + k)
-        # the bonus (and x_K after a full accept), or a new request's prompt
-        first = sum(f + (1 if t == k + 1 else 0) for t, f in zip(row_tokens, feed, strict=True))
-        draft = fd * (cost.forward_s(first, b) + (k - 1) * cost.forward_s(b, b))
-        host = (cost.overhead("proposer", b) + cost.overhead("drafter", b) if engine == "saguaro-sync"
+    outcome = [None, *_neural_tokens(steps, k, seed)]  # per step: accepted + 1 per row (none for the first)
+    for n in range(count_from + 1, len(steps)):
+        prev, row_tokens = steps[n - 1]["rows"], outcome[n]
+        pb, b = len(prev), len(row_tokens)
+        first = sum(_first_feed(r, None if outcome[n - 1] is None else outcome[n - 1][i], k)
+                    for i, r in enumerate(prev))
+        draft = fd * (cost.forward_s(first, pb) + (k - 1) * cost.forward_s(pb, pb)) if pb else 0.0
+        host = (cost.overhead("drafter", pb) + cost.overhead("proposer", b) if engine == "saguaro-sync"
                 else cost.overhead("vllm_draft_model", b))
         tokens += sum(row_tokens)
-        seconds += verify + draft + host
+        seconds += fv * cost.verify_s(b, 1 + k) + draft + host
     return _summary(engine, len(steps[0]["rows"]) if steps else 0, int(tokens), seconds)
 
 
