@@ -190,6 +190,7 @@ def main() -> int:
     trees = [tuple(t.split("=", 1)) for t in a.trees.split(",") if t] or [None]
     trees = [(n, str(Path(path).resolve())) for n, path in trees] if trees != [None] else trees
     started = time.monotonic()
+    load_start = os.getloadavg()
     rows = []
     from tqdm import tqdm
 
@@ -201,7 +202,9 @@ def main() -> int:
             "date": datetime.datetime.now(datetime.UTC).isoformat(), "commit": git_commit(),
             "command": " ".join(sys.argv), "machine": machine(), "k": K,
             "model": "random Llama, 1 layer, hidden 16, float32, one thread", "results": rows,
-            "runtime_s": round(time.monotonic() - started, 1)}
+            "runtime_s": round(time.monotonic() - started, 1),
+            "load_avg": {"start": [round(x, 2) for x in load_start],
+                         "end": [round(x, 2) for x in os.getloadavg()]}}
     for r in rows:
         print(json.dumps(r))
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -670,7 +670,9 @@ def host_overhead_section(results: list[dict]) -> list[str]:
     for data in results:
         m = data["machine"]
         out += [f"### {data['label']} ({data['_file']}, {data['date'][:16]} UTC, commit {data['commit']}; "
-                f"{m['cpu']}, {m['cpus']} cores)", "", f"- command: `{data['command']}`", "",
+                f"{m['cpu']}, {m['cpus']} cores)", "", f"- command: `{data['command']}`"
+                + (f"; load average {data['load_avg']['start'][0]:.2f} at the start, {data['load_avg']['end'][0]:.2f} "
+                   "at the end" if data.get("load_avg") else ""), "",
                 "| T | vocab | batch | budget | tree | answer ms (all hit) | glue ms | branch step ms | jit ms per forward "
                 "| transfers per forward |", "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
         for r in sorted(data["results"], key=lambda r: (r["temperature"], r["batch"], r["budget"], r.get("tree") or "")):
