@@ -34,7 +34,7 @@ from saguaro_vllm.frontend.config import SaguaroOptions  # noqa: E402
 from saguaro_vllm.projection.cost_model import CostModel  # noqa: E402
 from saguaro_vllm.projection.project import project_trace  # noqa: E402
 
-TRACES = ROOT / "results" / "traces" / "2026-12-06-demo-pair-b1-256"
+TRACES = ROOT / "results" / "traces" / "2026-12-06-demo-pair-b1b4-256-policy2"
 #: Options the projection takes at today's defaults rather than as recorded.
 POLICY_DEFAULTS = {name: SaguaroOptions.model_fields[name].default for name in ("max_fanout_budget",)}
 BARS = {"ssd_over_sync_b1": {0.0: 1.4, 1.0: 1.25}, "hit_rate_b1": {0.0: 0.8, 1.0: 0.6}}
@@ -59,6 +59,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", default=str(TRACES), help="a validate_projection.py trace directory")
     p.add_argument("--models", default="", help="cost model stems under benchmarks/cost_models/ (default: all)")
+    p.add_argument("--trace-glob", default="async-b1-*/trace-*.jsonl.gz",
+                   help="which traces of the directory (e.g. async-b1-*/trace-*.jsonl.gz: the batch-1 runs)")
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--label", default="gpu")
     p.add_argument("--recorded-options", action="store_true",
@@ -66,7 +68,7 @@ def main() -> None:
     a = p.parse_args()
     models = sorted((ROOT / "cost_models").glob("*.json"))
     models = [m for m in models if m.stem != "authors-check" and (not a.models or m.stem in a.models.split(","))]
-    traces = sorted(Path(a.traces).glob("async-*/trace-*.jsonl.gz"))
+    traces = sorted(Path(a.traces).resolve().glob(a.trace_glob))
     if not models or not traces:
         raise SystemExit(f"nothing to project: {len(models)} cost models, {len(traces)} async traces under {a.traces}")
     batches = [int(b) for b in a.batch_sizes.split(",")]

@@ -28,7 +28,7 @@ def validation_lines(data: dict) -> list[str]:
            "trace replayed with the cost model calibrated here (`saguaro-vllm calibrate`), against what the same "
            "run measured; bars: 10 % (tokens/s), 0.05 (hit rate). \"Own costs\": the replay under the cost model "
            "fitted from that run's own trace (isolates the replay from the calibration). "
-           f"Machine: {data.get('machine', {}).get('cpu', '?')}; other jobs shared its 2 cores during these runs.",
+           f"Machine: {data.get('machine', {}).get('cpu', '?')}. {data.get('note') or ''}".rstrip(),
            "", "| mode | batch | T | measured tok/s | projected (calibrated) | error | own costs | error | "
            "hit rate measured / projected | within bars |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c in data["cells"]:
@@ -77,8 +77,16 @@ def projection_lines(data: dict) -> list[str]:
     return out + [""]
 
 
+def newest_validation() -> dict | None:
+    """The newest `validate_projection.py` result by its date (names carry the run's cells and settings)."""
+    found = [json.loads(f.read_text()) | {"_file": f.name} for f in RESULTS.glob("*-validate-projection*.json")
+             if "scratch" not in f.name]
+    found = [d for d in found if d.get("cells")]
+    return max(found, key=lambda d: d.get("date", "")) if found else None
+
+
 def section() -> list[str]:
-    validation, projection = _newest("*-validate-projection-b1-256.json"), _newest("*-projection-gpu.json")
+    validation, projection = newest_validation(), _newest("*-projection-gpu.json")
     if validation is None and projection is None:
         return []
     out = ["## Projected on GPUs (a projection, not a measurement)", "",

@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "else the new traces are kept there")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--name", default="validate-projection")
+    p.add_argument("--note", default="", help="free text stored with the result (e.g. the machine's load)")
     return p.parse_args(argv)
 
 
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * r['own_costs_error']:>6.1f}% {str(r['projected_own_costs'].get('hit_rate', '-')):>6}")
     out = {"kind": "validate-projection", "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "machine": machine_info(), "target": target, "draft": draft, "k": a.k, "max_tokens": a.max_tokens,
-           "command": " ".join(sys.argv), "verify_curve": curve, "traces": str(trace_root),
+           "command": " ".join(sys.argv), "note": a.note, "verify_curve": curve, "traces": str(trace_root),
            "cost_model": cost.to_json(), "cells": rows}
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{datetime.date.today()}-{a.name}.json"
