@@ -30,12 +30,12 @@ bench: setup
 	$(PY) benchmarks/bench_host_overhead.py --label greedy
 	$(PY) benchmarks/bench_host_overhead.py --batches 1,16 --budgets 0,8 --temperatures 1 --rounds 4 --label sampled-128k
 	$(PY) benchmarks/bench_serve.py --label matrix
-	$(PY) benchmarks/verify_curve.py --batch-sizes 1,4 --depths 0,1,3,5 --max-tokens 48
-	$(PY) benchmarks/validate_projection.py --batch-sizes 1,4 --temperatures 0,0.7,1.0 --max-tokens 256 \
-		--traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4-256 \
-		--verify-curve benchmarks/results/$$(date +%F)-verify-curve.json --name validate-projection-b1b4-256
+	$(PY) benchmarks/verify_curve.py --batch-sizes 1,4,16 --depths 0,1,3,5 --max-tokens 48
+	$(PY) benchmarks/validate_projection.py --batch-sizes 1,4,16 --temperatures 0,0.7,1.0 --max-tokens 256 \
+		--traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4b16-256 \
+		--verify-curve benchmarks/results/$$(date +%F)-verify-curve.json --name validate-projection-b1b4b16-256
 	$(PY) benchmarks/gpu_cost_models.py
-	$(PY) benchmarks/project_gpu.py --traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4-256 \
+	$(PY) benchmarks/project_gpu.py --traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4b16-256 \
 		--trace-glob 'async-b1-*/trace-*.jsonl.gz'
 	$(PY) benchmarks/report.py
 

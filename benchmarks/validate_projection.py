@@ -47,19 +47,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "traces (as the drafter saw it) instead of a verify curve")
     p.add_argument("--draft-forward-from", help="take the draft forward's fit from this cost model JSON (e.g. the "
                    "one stored with the traces) instead of the one timed now; the spread is re-measured over it")
-    p.add_argument("--traces", help="trace directory: reused if it holds an earlier run's traces (skips the runs), "
-                   "else the new traces are kept there")
+    p.add_argument("--traces", help="trace directory: the cells it already holds are reused (their runs skipped), "
+                   "the missing ones are run and kept there too")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--name", default="validate-projection")
     p.add_argument("--note", default="", help="free text stored with the result (e.g. the machine's load)")
     return p.parse_args(argv)
 
 
-def record(a, target: str, draft: str, prompts: list[str], trace_root: Path) -> list[dict]:
+def record(a, target: str, draft: str, prompts: list[str], trace_root: Path,
+           have: set[tuple[str, int, float]] = frozenset()) -> list[dict]:
+    """Run and trace every requested (mode, batch, T) cell not in `have`."""
     cells = []
     for mode in a.modes.split(","):
         for batch in map(int, a.batch_sizes.split(",")):
             for temp in map(float, a.temperatures.split(",")):
+                if (mode, batch, temp) in have:
+                    continue
                 trace_dir = trace_root / f"{mode}-b{batch}-t{temp:g}"
                 spec = engine_specs(draft, [], a.k, {}, [0], [1])[f"saguaro-{mode}"]
                 spec["saguaro"]["trace_dir"] = str(trace_dir)
@@ -117,13 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     trace_root = Path(a.traces) if a.traces else Path(tempfile.mkdtemp(prefix="saguaro-traces-"))
     cells_file = trace_root / "cells.json"
     reused = bool(a.traces and cells_file.exists())
-    if reused:
-        cells = json.loads(cells_file.read_text())
-        for cell in cells:  # the directory may have moved since (e.g. kept under benchmarks/results/traces/)
-            cell["trace_dir"] = str(trace_root / Path(cell["trace_dir"]).name)
-    else:
-        cells = record(a, target, draft, prompts, trace_root)
+    cells = json.loads(cells_file.read_text()) if reused else []
+    for cell in cells:  # the directory may have moved since (e.g. kept under benchmarks/results/traces/)
+        cell["trace_dir"] = str(trace_root / Path(cell["trace_dir"]).name)
+    added = record(a, target, draft, prompts, trace_root, {(c["mode"], c["batch"], c["temperature"]) for c in cells})
+    if added:  # cells the directory did not hold yet (all of them for a new one)
+        cells += added
         cells_file.write_text(json.dumps(cells, indent=1))
+    wanted = {(m, int(b), float(t)) for m in a.modes.split(",") for b in a.batch_sizes.split(",")
+              for t in a.temperatures.split(",")}
+    cells = [c for c in cells if (c["mode"], c["batch"], c["temperature"]) in wanted]
     curve = a.verify_curve
     if curve is None and not a.verify_from_traces:
         subprocess.run([sys.executable, str(Path(__file__).parent / "verify_curve.py"), "--batch-sizes",
