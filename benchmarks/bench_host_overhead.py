@@ -75,23 +75,9 @@ def measure(model_path: str, batch: int, budget: int, temperature: float, rounds
 
     gc.collect()
     gc.freeze()  # as the drafter server does once loaded (drafter/server.py)
-    forwards, inside = [0], [0]
+    from device_rounds import count_forwards  # this folder is on sys.path when run as a script
 
-    def counting(fn):
-        def counted(*a, **kw):
-            if inside[0]:  # `forward_batch` running `forward` for rows without room: one forward
-                return fn(*a, **kw)
-            forwards[0] += 1
-            inside[0] += 1
-            try:
-                return fn(*a, **kw)
-            finally:
-                inside[0] -= 1
-        return counted
-
-    runner.forward = counting(runner.forward)
-    if hasattr(runner, "forward_batch"):  # branch steps (trees before it have none)
-        runner.forward_batch = counting(runner.forward_batch)
+    forwards = count_forwards(runner)
     rng = np.random.default_rng(0)
     spec = SamplingSpec() if temperature == 0 else SamplingSpec(temperature=temperature, seed=1)
     ctx = {f"r{i}": rng.integers(2, vocab - 2, 24).tolist() for i in range(batch)}

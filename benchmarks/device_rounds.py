@@ -82,6 +82,29 @@ def _ms(values: list[float]) -> float | None:
     return round(1e3 * statistics.median(values), 3) if values else None
 
 
+def count_forwards(runner) -> list[int]:
+    """Counts the runner's forwards in the returned one-element list: `forward` and `forward_batch` (branch
+    steps; runners of trees before it have none), once when the latter runs the former for rows without room."""
+    forwards, inside = [0], [0]
+
+    def counting(fn):
+        def counted(*a, **kw):
+            if inside[0]:
+                return fn(*a, **kw)
+            forwards[0] += 1
+            inside[0] += 1
+            try:
+                return fn(*a, **kw)
+            finally:
+                inside[0] -= 1
+        return counted
+
+    runner.forward = counting(runner.forward)
+    if hasattr(runner, "forward_batch"):
+        runner.forward_batch = counting(runner.forward_batch)
+    return forwards
+
+
 def run_config(model, batch: int, budget: int, rounds: int = 4, cuda_graphs: bool = False,
                prompt_len: int = 64, num_blocks: int = 8192, seed: int = 0) -> dict:
     """One configuration: per-forward times (ms, medians over the timed rounds), statuses, fan-out, transfers."""
@@ -97,23 +120,7 @@ def run_config(model, batch: int, budget: int, rounds: int = 4, cuda_graphs: boo
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    forwards, inside = [0], [0]
-
-    def counting(fn):  # `forward` and `forward_batch` (branch steps), one count when the latter runs the former
-        def counted(*a, **kw):
-            if inside[0]:
-                return fn(*a, **kw)
-            forwards[0] += 1
-            inside[0] += 1
-            try:
-                return fn(*a, **kw)
-            finally:
-                inside[0] -= 1
-        return counted
-
-    runner.forward = counting(runner.forward)
-    if hasattr(runner, "forward_batch"):
-        runner.forward_batch = counting(runner.forward_batch)
+    forwards = count_forwards(runner)
     gen = torch.Generator().manual_seed(seed)
     ctx = {f"r{i}": torch.randint(2, vocab - 2, (prompt_len,), generator=gen).tolist() for i in range(batch)}
     resp = drafter.step(StepRequest(1, [RowUpdate(r, 0, c, K, SamplingSpec()) for r, c in ctx.items()], []))
@@ -121,8 +128,8 @@ def run_config(model, batch: int, budget: int, rounds: int = 4, cuda_graphs: boo
     statuses: collections.Counter = collections.Counter()
     fanouts, planned, branch_steps, transfers, counted_forwards = [], [], 0, 0, 0
     for rnd in range(rounds + 2):  # round 0: warm-up; rounds 1..rounds: timed; the last: transfers counted
-        warm, counting = rnd == 0, rnd == rounds + 1
-        counter = _transfer_counter(device.type) if counting else None
+        warm, counted = rnd == 0, rnd == rounds + 1
+        counter = _transfer_counter(device.type) if counted else None
         if counter is not None:
             counter.__enter__()
         forwards[0] = 0
@@ -137,8 +144,8 @@ def run_config(model, batch: int, budget: int, rounds: int = 4, cuda_graphs: boo
             dt = time.perf_counter() - t0
             if forwards[0] > before:
                 if not first:
-                    branch_steps += not warm and not counting
-                if not warm and not counting:
+                    branch_steps += not warm and not counted
+                if not warm and not counted:
                     times["glue" if first else "branch_step"].append(dt)
                 if first:
                     fanouts.append(list(getattr(drafter, "_fanout", []) or []))
