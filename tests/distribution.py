@@ -131,6 +131,8 @@ class SampleRun:
     total_s: float
     #: Saguaro's Prometheus samples at the end ('name{label="v"}' for labelled ones).
     saguaro: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: steps each of Saguaro's shortcuts around vLLM's code served (patches.SHORTCUT_STEPS)
+    shortcuts: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 #: One variant: `temperature=1.0` plain sampling. Variants are extra `SamplingParams` fields.
@@ -169,7 +171,8 @@ def sample_outputs(model: str | Path, *, speculative_config: Mapping[str, Any] |
             raise EngineRunError(proc.returncode, log_path.read_text()[-6000:])
         result = json.loads(out_path.read_text())
     tokens = {k: np.asarray(v, dtype=np.int64) for k, v in result["tokens"].items()}
-    return SampleRun(tokens, SpecCounters(**result["spec"]), result["generate_s"], total_s, result["saguaro"])
+    return SampleRun(tokens, SpecCounters(**result["spec"]), result["generate_s"], total_s, result["saguaro"],
+                     result["shortcuts"])
 
 
 class EngineRunError(RuntimeError):
@@ -201,10 +204,11 @@ def _run_engine(request: dict[str, Any]) -> dict[str, Any]:
         if len(ids) != request["max_tokens"]:
             raise RuntimeError(f"expected {request['max_tokens']} tokens, got {ids}")
         tokens[owner].append(ids)
+    from saguaro_vllm.patches import SHORTCUT_STEPS
     from saguaro_vllm.worker.metrics import saguaro_samples
 
     return {"tokens": tokens, "spec": _spec_counters(llm.get_metrics()), "generate_s": generate_s,
-            "saguaro": saguaro_samples()}
+            "saguaro": saguaro_samples(), "shortcuts": dict(SHORTCUT_STEPS)}
 
 
 def _spec_counters(metrics: list[Any]) -> dict[str, int]:

@@ -55,6 +55,8 @@ class JobResult:
     prefix_cache_hits: int = 0
     #: every completion of each prompt (`n` > 1)
     completions: list[list[list[int]]] = dataclasses.field(default_factory=list)
+    #: steps each of Saguaro's shortcuts around vLLM's code served during this job (patches.SHORTCUT_STEPS)
+    shortcuts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def counter(self, prefix: str) -> float:
         """Sum over labels of a Saguaro counter's growth in this job, e.g. `counter("vllm:saguaro_cache_hits")`."""
@@ -78,7 +80,7 @@ def run_engine(model: str, jobs: list[Job], *, speculative_config: dict | None =
             raise EngineRunError(proc.returncode, log_path.read_text()[-8000:])
         result = json.loads(out_path.read_text())
     return {name: JobResult(r["token_ids"], r["texts"], SpecCounters(**r["spec"]), r["seconds"], r["saguaro"],
-                            r["saguaro_delta"], r["prefix_cache_hits"], r["completions"])
+                            r["saguaro_delta"], r["prefix_cache_hits"], r["completions"], r["shortcuts"])
             for name, r in result.items()}
 
 
@@ -93,6 +95,7 @@ def _inputs(prompt: Any) -> Any:
 def _main(request: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
+    from saguaro_vllm.patches import SHORTCUT_STEPS
     from saguaro_vllm.worker.metrics import saguaro_samples
 
     llm = LLM(model=request["model"], speculative_config=request["speculative_config"],
@@ -102,6 +105,7 @@ def _main(request: dict[str, Any]) -> dict[str, Any]:
         before = _spec_counters(llm.get_metrics())
         hits_before = _prefix_cache_hits(llm.get_metrics())
         before_saguaro = saguaro_samples()
+        shortcuts_before = dict(SHORTCUT_STEPS)
         params = job["params"] if isinstance(job["params"], list) else [job["params"]] * len(job["prompts"])
         sps = [SamplingParams(**p) for p in params]
         start = time.monotonic()
@@ -121,6 +125,7 @@ def _main(request: dict[str, Any]) -> dict[str, Any]:
             "saguaro": (after_saguaro := saguaro_samples()),
             "saguaro_delta": {k: v - before_saguaro.get(k, 0.0) for k, v in after_saguaro.items()
                               if k.split("{")[0].endswith("_total")},
+            "shortcuts": {k: v - shortcuts_before.get(k, 0) for k, v in SHORTCUT_STEPS.items()},
         }
     return results
 

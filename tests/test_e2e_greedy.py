@@ -90,6 +90,8 @@ def test_greedy_output_identical(reference, saguaro, job):
     assert saguaro[job].token_ids == reference[job].token_ids
     assert [len(t) for t in saguaro[job].token_ids] == [len(t) for t in reference[job].token_ids]
     _assert_speculated(saguaro[job])
+    # all-greedy batches verified through the argmax of the target rows read in place (greedy_rejection.py)
+    assert saguaro[job].shortcuts.get("greedy_rejection", 0) > 0, saguaro[job].shortcuts
     assert reference[job].spec.drafts == 0
 
 
@@ -97,6 +99,7 @@ def test_greedy_output_identical(reference, saguaro, job):
 def test_ssd_greedy_output_identical_with_hits_and_misses(reference, ssd, job):
     assert ssd[job].token_ids == reference[job].token_ids
     _assert_speculated(ssd[job])
+    assert ssd[job].shortcuts.get("greedy_rejection", 0) > 0, ssd[job].shortcuts
     hits, lookups = ssd[job].counter("vllm:saguaro_cache_hits"), ssd[job].counter("vllm:saguaro_cache_lookups")
     assert hits > 0, f"no speculation-cache hit: {ssd[job].saguaro_delta}"
     assert lookups - hits > 0, f"no speculation-cache miss: {ssd[job].saguaro_delta}"

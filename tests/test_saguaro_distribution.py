@@ -48,6 +48,7 @@ def test_saguaro_sampling_matches_target_distribution(plain, saguaro, variant):
     assert min(pvalues.values()) > EXACT_P, pvalues
     assert saguaro.spec.drafts > 0 and saguaro.spec.accepted > 0
     assert saguaro.spec.accepted < saguaro.spec.draft_tokens  # rejections happened too
+    assert saguaro.shortcuts.get("draft_probs_view", 0) > 0, saguaro.shortcuts  # q read in place, not copied
 
 
 def _greedy_prefix(plain, run):
@@ -149,6 +150,7 @@ def test_ssd_all_hits_match_target_distribution(plain, ssd_all_hit):
     assert lookups > 0 and hits == lookups - unmatched and unmatched < 0.01 * lookups, shown
     assert s.get("vllm:saguaro_branches_dropped_total", 0.0) == 0, shown
     assert 0 < ssd_all_hit.spec.accepted < ssd_all_hit.spec.draft_tokens
+    assert ssd_all_hit.shortcuts.get("draft_probs_view", 0) > 0, ssd_all_hit.shortcuts
 
 
 @pytest.mark.parametrize("variant", ["t1", "tp"])

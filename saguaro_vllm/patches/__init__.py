@@ -6,6 +6,7 @@ written for. Modules in this package declare patches with `@vllm_patch(...)`; `a
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib
 import logging
@@ -16,6 +17,11 @@ logger = logging.getLogger("vllm.saguaro.patches")
 
 #: vLLM versions the patches were written for and checked against: [min, max).
 SUPPORTED_VLLM = ((0, 32, 0), (0, 33, 0))
+
+#: Steps each shortcut around vLLM's own code served in this process ("greedy_rejection": all-greedy
+#: verifications without copies, "draft_probs_view": q handed over in place): engine tests read it to
+#: assert that the path they check really ran.
+SHORTCUT_STEPS: collections.Counter = collections.Counter()
 
 #: Modules of this package whose patches `apply_all` applies, in order.
 PATCH_MODULES = ("spec_config", "cli_args", "model_runner", "cpu_sampling", "tp_sampling", "greedy_rejection")

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from saguaro_vllm.patches import vllm_patch
+from saguaro_vllm.patches import SHORTCUT_STEPS, vllm_patch
 
 SAMPLER = "vllm.v1.sample.rejection_sampler:RejectionSampler"
 #: Attribute the runner sets on its rejection sampler when its drafter is a Saguaro proposer.
@@ -110,6 +110,7 @@ def wrap_forward(original):
             if not _said:
                 _said = True
                 logger.info("saguaro-vllm: all-greedy batches are verified without copying the target rows")
+            SHORTCUT_STEPS["greedy_rejection"] += 1
             return greedy_forward(self, metadata, logits, sampling_metadata)
         return original(self, metadata, draft_probs, logits, sampling_metadata)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from saguaro_vllm.patches import vllm_patch
+from saguaro_vllm.patches import SHORTCUT_STEPS, vllm_patch
 from saguaro_vllm.patches.greedy_rejection import mark_saguaro
 
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
@@ -95,6 +95,7 @@ def wrap_get_spec_decode_draft_probs(original):
             view = aligned_draft_probs(self._draft_probs, self._draft_prob_req_ids, self.input_batch.req_ids,
                                        spec_decode_metadata.num_draft_tokens)
             if view is not None:
+                SHORTCUT_STEPS["draft_probs_view"] += 1
                 return view
         return original(self, spec_decode_metadata)
 
