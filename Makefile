@@ -32,11 +32,15 @@ bench: setup
 	$(PY) benchmarks/bench_serve.py --label matrix
 	$(PY) benchmarks/verify_curve.py --batch-sizes 1,4,16 --depths 0,1,3,5 --max-tokens 48
 	$(PY) benchmarks/validate_projection.py --batch-sizes 1,4,16 --temperatures 0,0.7,1.0 --max-tokens 256 \
-		--traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4b16-256 \
+		--traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4b16-256 --ar-batch-sizes 1,4,16 \
 		--verify-curve benchmarks/results/$$(date +%F)-verify-curve.json --name validate-projection-b1b4b16-256
+	$(PY) benchmarks/validate_projection.py --batch-sizes 1 --modes async --temperatures 0,0.7,1.0 --k 8 \
+		--max-tokens 256 --traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1-256-k8 --record-only
 	$(PY) benchmarks/gpu_cost_models.py
 	$(PY) benchmarks/project_gpu.py --traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4b16-256 \
 		--trace-glob 'async-b1-*/trace-*.jsonl.gz'
+	$(PY) benchmarks/project_gpu.py --traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1-256-k8 \
+		--trace-glob 'async-b1-*/trace-*.jsonl.gz' --label gpu-k8
 	$(PY) benchmarks/report.py
 
 clean:

@@ -92,7 +92,8 @@ def main() -> None:
     out.write_text(json.dumps({
         "kind": "projection", "date": date, "command": " ".join(["python"] + sys.argv),
         "note": "a projection under cost models from public figures, not a measurement; traces recorded on the "
-                "2-core CPU machine with the cost-matched demo pair (batch 1, 256 tokens, K=5)",
+                "2-core CPU machine with the cost-matched demo pair (batch 1, 256 tokens, K="
+                + "/".join(str(k) for k in sorted({r["k"] for r in results})) + ")",
         "traces": a.traces, "options": "as recorded" if a.recorded_options else POLICY_DEFAULTS,
         "authors_check": json.loads(authors.read_text()) if authors.exists() else None,
         "results": results}, indent=1) + "\n")

@@ -37,6 +37,22 @@ def validation_lines(data: dict) -> list[str]:
         out.append(f"| {c['mode']} | {c['batch']} | {c['temperature']:g} | {m['tokens_per_s']:.2f} | "
                    f"{p['tokens_per_s']:.2f} | {_pct(c.get('tokens_error'))} | {own.get('tokens_per_s', '-')} | "
                    f"{_pct(c.get('own_costs_error'))} | {hits} | {'yes' if c.get('within_bars') else 'no'} |")
+    within = sum(1 for c in data["cells"] if c.get("within_bars"))
+    out += ["", f"{within} of {len(data['cells'])} cells within the bars. Calibrated from "
+            f"{data.get('calibrated_from', 'the validated traces')}"
+            + (" (" + ", ".join(f"{c['mode']} b{c['batch']} T={c['temperature']:g}" for c in data["calibration"])
+               + ")" if data.get("calibration") else "") + "."]
+    ar = data.get("vllm_ar") or []
+    if ar:
+        out += ["", "vLLM AR (T=0, pinned to core 0) measured and projected from the verify curve's depth 0, and "
+                "whether it is ahead of each Saguaro mode (tokens/s per sequence) in the runs and in the projection:",
+                "", "| batch | AR measured | AR projected | error | AR ahead of sync (measured / projected) | "
+                "AR ahead of SSD (measured / projected) |", "|---|---|---|---|---|---|"]
+        for x in ar:
+            ahead = {m: f"{'yes' if v['measured'] else 'no'} / {'yes' if v['projected'] else 'no'}"
+                     for m, v in x["ahead_of"].items()}
+            out.append(f"| {x['batch']} | {x['measured_per_seq']:.2f} | {x['projected_per_seq']:.2f} | "
+                       f"{_pct(x['error'])} | {ahead.get('sync', '-')} | {ahead.get('async', '-')} |")
     return out + [""]
 
 
@@ -87,6 +103,7 @@ def newest_validation() -> dict | None:
 
 def section() -> list[str]:
     validation, projection = newest_validation(), _newest("*-projection-gpu.json")
+    deeper = _newest("*-projection-gpu-k8.json")
     if validation is None and projection is None:
         return []
     out = ["## Projected on GPUs (a projection, not a measurement)", "",
@@ -97,4 +114,9 @@ def section() -> list[str]:
         out += validation_lines(validation)
     if projection is not None:
         out += projection_lines(projection)
+    if deeper is not None:
+        out += ["**Deeper drafts (K=8)**: the same projection from traces recorded with 8 drafts per row "
+                "(`validate_projection.py --k 8 --record-only`). `sync` drafts 8 tokens too, so the ratio shows "
+                "what taking a longer drafting off the critical path buys under GPU costs.", ""]
+        out += projection_lines(deeper)
     return out

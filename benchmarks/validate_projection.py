@@ -2,12 +2,17 @@
 machine's cost model, replay each trace under it, and compare with what the same run measured.
 
 Per cell (mode x batch x temperature) one real run on the cost-matched demo pair (benchmarks/run.py's
-worker, Saguaro's placement: target on core 0, drafter on core 1) with `saguaro.trace_dir`; then
-`saguaro-vllm calibrate` (draft forward timed on core 1, the target's verification from a verify-curve JSON,
-host overheads from the traces) and, per trace, its last group of requests (after the worker's warm-up):
+worker, Saguaro's placement: target on core 0, drafter on core 1) with `saguaro.trace_dir`. Calibration runs
+(`--calibration-temperatures`, both modes, every batch) trace the same engines on *other* prompts (the next
+held-out ones) into `calibration/`; then `saguaro-vllm calibrate` (draft forward timed on core 1, the
+target's verification from a verify-curve JSON with its factor per temperature and batch, host overheads and
+spread, all from the calibration traces: the validated runs are only replayed) and, per validated trace, its
+last group of requests (after the worker's warm-up):
 - measured: the trace's own tokens/s over those steps (and the engine's decode tokens/s per sequence);
 - replay under the run's own timings (`async`): must equal measured (a check of the replay itself);
 - replay under the calibrated cost model: the projection; the bar is 10 % tokens/s and 0.05 hit rate.
+vLLM AR is run too (`--ar-batch-sizes`, T=0, pinned to core 0) and projected from the verify curve's depth 0:
+where it beats `sync` and SSD (the crossover) in the runs and in the projection.
 
     .venv/bin/python benchmarks/validate_projection.py --verify-curve benchmarks/results/2026-12-04-verify-curve.json
     .venv/bin/python benchmarks/validate_projection.py --batch-sizes 1,4,16 --temperatures 0,0.7,1.0
@@ -30,8 +35,8 @@ from saguaro_vllm.projection.calibrate import jitter_from_traces  # noqa: E402
 from saguaro_vllm.projection.cost_model import CostModel, from_trace  # noqa: E402
 from saguaro_vllm.projection.clocks import TraceClock  # noqa: E402
 from saguaro_vllm.projection.replay import SSDReplay  # noqa: E402
-from saguaro_vllm.projection.engines import (live_replay, measured, project_spec, project_ssd,  # noqa: E402
-                                             segment_starts)
+from saguaro_vllm.projection.engines import (live_replay, measured, project_ar, project_spec,  # noqa: E402
+                                             project_ssd, segment_starts)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,6 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "one stored with the traces) instead of the one timed now; the spread is re-measured over it")
     p.add_argument("--traces", help="trace directory: the cells it already holds are reused (their runs skipped), "
                    "the missing ones are run and kept there too")
+    p.add_argument("--calibration-temperatures", default="0,1.0",
+                   help="temperatures of the calibration runs (other prompts; '' : calibrate from the validated "
+                   "traces themselves, as until 2026-12-06)")
+    p.add_argument("--ar-batch-sizes", default="", help="batch sizes to run vLLM AR at (T=0) for the crossover")
+    p.add_argument("--ar-from", help="an earlier result of this script: its measured vLLM AR runs instead of new ones")
+    p.add_argument("--record-only", action="store_true", help="record the cells' traces (e.g. for "
+                   "project_gpu.py) and stop: no calibration, no replay, no result file")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--name", default="validate-projection")
     p.add_argument("--note", default="", help="free text stored with the result (e.g. the machine's load)")
@@ -56,12 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def record(a, target: str, draft: str, prompts: list[str], trace_root: Path,
-           have: set[tuple[str, int, float]] = frozenset()) -> list[dict]:
+           have: set[tuple[str, int, float]] = frozenset(), temperatures: str | None = None) -> list[dict]:
     """Run and trace every requested (mode, batch, T) cell not in `have`."""
     cells = []
     for mode in a.modes.split(","):
         for batch in map(int, a.batch_sizes.split(",")):
-            for temp in map(float, a.temperatures.split(",")):
+            for temp in map(float, (temperatures or a.temperatures).split(",")):
                 if (mode, batch, temp) in have:
                     continue
                 trace_dir = trace_root / f"{mode}-b{batch}-t{temp:g}"
@@ -110,6 +122,22 @@ def compare(cell: dict, cost: CostModel, k: int) -> dict:
     return out
 
 
+def ar_row(ar: dict, cost: CostModel, rows: list[dict]) -> dict:
+    """vLLM AR at one batch, T=0: measured against projected, and whether it is ahead of each Saguaro mode
+    (tokens/s per sequence; measured: the engines' own decode figures, like for like) in the runs and in the
+    projection: the crossover must come out the same."""
+    projected = project_ar(ar["batch"], cost)["per_seq_tokens_per_s"]
+    out = {"batch": ar["batch"], "measured_per_seq": ar["decode_tok_s_per_seq"], "projected_per_seq": projected,
+           "error": round(projected / ar["decode_tok_s_per_seq"] - 1, 4), "ahead_of": {}}
+    for r in rows:
+        if r["batch"] == ar["batch"] and r["temperature"] == 0:
+            out["ahead_of"][r["mode"]] = {
+                "measured": ar["decode_tok_s_per_seq"] > r["engine_run"]["decode_tok_s_per_seq"],
+                "projected": projected > r["projected"]["per_seq_tokens_per_s"]}
+    out["agrees"] = all(v["measured"] == v["projected"] for v in out["ahead_of"].values())
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     from saguaro_vllm.demo.build import ensure_demo_pair
@@ -117,20 +145,40 @@ def main(argv: list[str] | None = None) -> int:
     pair = ensure_demo_pair(cost_matched=True)
     target, draft = str(pair.target_cost), str(pair.draft_cost)
     batches = [int(b) for b in a.batch_sizes.split(",")]
-    prompts = pair.heldout_prompts(max(batches))
+    prompts = pair.heldout_prompts(2 * max(batches))  # the first half validated, the second calibrates
     trace_root = Path(a.traces) if a.traces else Path(tempfile.mkdtemp(prefix="saguaro-traces-"))
-    cells_file = trace_root / "cells.json"
-    reused = bool(a.traces and cells_file.exists())
-    cells = json.loads(cells_file.read_text()) if reused else []
-    for cell in cells:  # the directory may have moved since (e.g. kept under benchmarks/results/traces/)
-        cell["trace_dir"] = str(trace_root / Path(cell["trace_dir"]).name)
-    added = record(a, target, draft, prompts, trace_root, {(c["mode"], c["batch"], c["temperature"]) for c in cells})
-    if added:  # cells the directory did not hold yet (all of them for a new one)
-        cells += added
-        cells_file.write_text(json.dumps(cells, indent=1))
-    wanted = {(m, int(b), float(t)) for m in a.modes.split(",") for b in a.batch_sizes.split(",")
-              for t in a.temperatures.split(",")}
-    cells = [c for c in cells if (c["mode"], c["batch"], c["temperature"]) in wanted]
+    trace_root.mkdir(parents=True, exist_ok=True)
+    reused = bool(a.traces and (trace_root / "cells.json").exists())
+
+    def cells_in(root: Path, group: list[str], temperatures: str) -> list[dict]:
+        """The cells `root` holds (run now where missing), those asked for."""
+        cells_file = root / "cells.json"
+        cells = json.loads(cells_file.read_text()) if cells_file.exists() else []
+        for cell in cells:  # the directory may have moved since (e.g. kept under benchmarks/results/traces/)
+            cell["trace_dir"] = str(root / Path(cell["trace_dir"]).name)
+        added = record(a, target, draft, group, root, {(c["mode"], c["batch"], c["temperature"]) for c in cells},
+                       temperatures)
+        if added:  # cells the directory did not hold yet (all of them for a new one)
+            cells += added
+            root.mkdir(parents=True, exist_ok=True)
+            cells_file.write_text(json.dumps(cells, indent=1))
+        wanted = {(m, int(b), float(t)) for m in a.modes.split(",") for b in a.batch_sizes.split(",")
+                  for t in temperatures.split(",")}
+        return [c for c in cells if (c["mode"], c["batch"], c["temperature"]) in wanted]
+
+    cells = cells_in(trace_root, prompts[: max(batches)], a.temperatures)
+    if a.record_only:
+        print(f"recorded {len(cells)} cell(s) under {trace_root}")
+        return 0
+    calibration = (cells_in(trace_root / "calibration", prompts[max(batches):], a.calibration_temperatures)
+                   if a.calibration_temperatures else [])
+    ar = ([{k: x[k] for k in ("batch", "decode_tok_s_per_seq")} | {"measured_in": Path(a.ar_from).name}
+           for x in [{"batch": y["batch"], "decode_tok_s_per_seq": y["measured_per_seq"]}
+                     for y in json.loads(Path(a.ar_from).read_text()).get("vllm_ar", [])]] if a.ar_from else [])
+    for batch in [] if a.ar_from else [int(b) for b in a.ar_batch_sizes.split(",") if b]:
+        res = run_one(target, None, prompts[:batch], batch, 0.0, a.max_tokens, [0], a.timeout)
+        print(f"[run] vllm-ar batch {batch} T=0: {res['decode_tok_s_per_seq']:.2f} tokens/s per sequence", flush=True)
+        ar.append({"batch": batch, "decode_tok_s_per_seq": res["decode_tok_s_per_seq"]})
     curve = a.verify_curve
     if curve is None and not a.verify_from_traces:
         subprocess.run([sys.executable, str(Path(__file__).parent / "verify_curve.py"), "--batch-sizes",
@@ -138,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         curve = str(RESULTS / f"{datetime.date.today()}-verify-curve.json")
     # stored traces keep the cost model they were validated with; a re-validation's model is in its result
     cost_path = (Path(tempfile.mkdtemp(prefix="saguaro-cost-")) if reused else trace_root) / "cost-model.json"
-    traces = [str(trace_of(c)) for c in cells]
+    traces = [str(trace_of(c)) for c in (calibration or cells)]
     subprocess.run([sys.executable, "-m", "saguaro_vllm.tools.cli", "calibrate", "--draft", draft, "--core", "1",
                     *(["--verify-curve", curve] if curve else []), "--from-trace", *traces, "--out", str(cost_path)],
                    check=True)
@@ -146,8 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.draft_forward_from:  # a timing of the draft taken at another time, with the spread over it
         stored = CostModel.load(a.draft_forward_from)
         cost.draft, cost.sources["draft_forward"] = stored.draft, stored.sources["draft_forward"]
+        cost.branch = stored.branch
+        if stored.branch is not None:
+            cost.sources["branch_forward"] = stored.sources["branch_forward"]
         cost.jitter = jitter_from_traces(traces, cost)
     rows = [compare(c, cost, a.k) for c in cells]
+    crossover = [ar_row(x, cost, rows) for x in ar]
     print(f"\n{'mode':<6} {'batch':>5} {'T':>4} | {'measured tok/s':>14} {'projected':>9} {'error':>7} | "
           f"{'hit measured':>12} {'projected':>9} | {'live replay':>11} | {'own costs':>9} {'error':>7} {'hit':>6}")
     for r in rows:
@@ -158,15 +210,21 @@ def main(argv: list[str] | None = None) -> int:
               f"{str(m.get('hit_rate', '-')):>12} {str(p.get('hit_rate', '-')):>9} | "
               f"{str(live.get('tokens_per_s', '-')):>11} | {r['projected_own_costs']['tokens_per_s']:>9.2f} "
               f"{100 * r['own_costs_error']:>6.1f}% {str(r['projected_own_costs'].get('hit_rate', '-')):>6}")
+    for x in crossover:
+        print(f"vllm-ar batch {x['batch']}: measured {x['measured_per_seq']:.2f} tokens/s per sequence, projected "
+              f"{x['projected_per_seq']:.2f} ({100 * x['error']:.1f} %); AR ahead of "
+              + ", ".join(f"{m}: measured {v['measured']}, projected {v['projected']}" for m, v in x["ahead_of"].items()))
     out = {"kind": "validate-projection", "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "machine": machine_info(), "target": target, "draft": draft, "k": a.k, "max_tokens": a.max_tokens,
            "command": " ".join(sys.argv), "note": a.note, "verify_curve": curve, "traces": str(trace_root),
-           "cost_model": cost.to_json(), "cells": rows}
+           "cost_model": cost.to_json(), "cells": rows, "vllm_ar": crossover,
+           "calibration": [{k: c[k] for k in ("mode", "batch", "temperature", "run")} for c in calibration],
+           "calibrated_from": "calibration runs on other prompts" if calibration else "the validated traces"}
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{datetime.date.today()}-{a.name}.json"
     path.write_text(json.dumps(out, indent=1))
     print(f"saved {path}")
-    return 0 if all(r["within_bars"] for r in rows) else 1
+    return 0 if all(r["within_bars"] for r in rows) and all(x["agrees"] for x in crossover) else 1
 
 
 if __name__ == "__main__":

@@ -384,3 +384,32 @@ def test_bench_serve_report_section_and_tpot_plot(tmp_path, monkeypatch):
     assert "added later (2026-12-06 05:00 UTC, load average 1.5" in "\n".join(report.serve_section(both))
     with pytest.raises(SystemExit, match="setting output_len differs"):
         bs.extend_result(data, new | {"settings": new["settings"] | {"output_len": 32}})
+
+
+def test_validation_section_shows_the_crossover_and_where_the_calibration_came_from():
+    """The projection's validation: AR measured against projected, whether AR is ahead of each Saguaro mode
+    in the runs and in the projection (`ar_row`: the crossover must agree), and which runs calibrated it."""
+    validate = _load("validate_projection")
+    projection = _load("report_projection")
+    from saguaro_vllm.drafter.predictor import StepCostModel
+    from saguaro_vllm.projection.cost_model import CostModel
+
+    cost = CostModel({4: {1.0: 0.05, 6.0: 0.1}}, StepCostModel(0.001, 0.0), {}, {})
+    rows = [{"mode": "sync", "batch": 4, "temperature": 0.0, "engine_run": {"decode_tok_s_per_seq": 25.0},
+             "projected": {"per_seq_tokens_per_s": 18.0}},
+            {"mode": "async", "batch": 4, "temperature": 0.0, "engine_run": {"decode_tok_s_per_seq": 15.0},
+             "projected": {"per_seq_tokens_per_s": 21.0}},
+            {"mode": "async", "batch": 4, "temperature": 1.0, "engine_run": {"decode_tok_s_per_seq": 1.0},
+             "projected": {"per_seq_tokens_per_s": 1.0}}]
+    x = validate.ar_row({"batch": 4, "decode_tok_s_per_seq": 19.0}, cost, rows)
+    assert x["projected_per_seq"] == pytest.approx(20.0) and x["error"] == pytest.approx(20 / 19 - 1, abs=1e-4)
+    assert x["ahead_of"] == {"sync": {"measured": False, "projected": True},
+                             "async": {"measured": True, "projected": False}}
+    assert not x["agrees"]
+    cell = {"mode": "sync", "batch": 4, "temperature": 0.0, "measured": {"tokens_per_s": 90.0},
+            "projected": {"tokens_per_s": 92.0}, "tokens_error": 0.022, "within_bars": True}
+    data = {"_file": "v.json", "cells": [cell], "vllm_ar": [x], "calibrated_from": "calibration runs on other prompts",
+            "calibration": [{"mode": "sync", "batch": 4, "temperature": 0.0}]}
+    text = "\n".join(projection.validation_lines(data))
+    assert "1 of 1 cells within the bars" in text and "other prompts (sync b4 T=0)" in text
+    assert "| 4 | 19.00 | 20.00 | +5.3 % | no / yes | yes / no |" in text

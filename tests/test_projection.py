@@ -47,7 +47,7 @@ def _outcome(model, context, drafts, rng) -> list[int]:
     return drafts[:a] + [bonus]
 
 
-def record_run(model, drafter, trace_path, rounds=14, seed=0, max_bytes=1 << 30) -> list[list[str]]:
+def record_run(model, drafter, trace_path, rounds=14, seed=0, max_bytes=1 << 30, sampling=None) -> list[list[str]]:
     """Drive `drafter` like the server loop (answer, pre-draft between requests, cut short at random), with
     a trace; returns the live status of every step's rows."""
     rng = np.random.default_rng(seed)
@@ -60,7 +60,8 @@ def record_run(model, drafter, trace_path, rounds=14, seed=0, max_bytes=1 << 30)
     for step in range(1, rounds + 1):
         rows = []
         for rid, ctx in contexts.items():
-            rows.append(RowUpdate(rid, sent[rid], ctx[sent[rid]:], K, SamplingSpec() if sent[rid] == 0 else None))
+            rows.append(RowUpdate(rid, sent[rid], ctx[sent[rid]:], K,
+                                  (sampling or SamplingSpec()) if sent[rid] == 0 else None))
             sent[rid] = len(ctx)
         resp = drafter.step(StepRequest(step, rows, [], sent_at=time.monotonic()))
         drafter.answered()
@@ -368,3 +369,111 @@ def test_the_draft_forward_is_timed_at_its_least_disturbed():
     points = least_disturbed(timer, [1, 2, 4], passes=3)
     assert calls == [1, 2, 4] * 3
     assert [p["s"] for p in points] == pytest.approx([0.006, 0.007, 0.009])
+
+
+def _at_temperature(steps: list[dict], temp: float) -> list[dict]:
+    for s in steps:
+        for r in s["rows"]:
+            r["temp"] = temp
+    return steps
+
+
+def test_the_verification_is_calibrated_per_temperature_and_batch(tmp_path):
+    """At batch 16 on this CPU Saguaro's all-greedy verification took ~250 ms and the sampled one ~460 ms
+    (2026-12-06): one factor pooled over temperatures cannot hold both. The calibration measures the traced
+    verification over the verify curve per temperature and batch (each run weighing the same), a run replays
+    under its own temperature's factors (nearest measured temperature of the same kind, held at the batch
+    ends), and the factors survive the JSON."""
+    from saguaro_vllm.drafter.predictor import StepCostModel
+    from saguaro_vllm.projection.calibrate import temperature_factors
+
+    curve = {1: {6.0: 0.1}}
+    traces = [_write_trace(tmp_path / "g.jsonl", _at_temperature(_timed_steps(8, 0.05, 0.01), 0.0)),
+              _write_trace(tmp_path / "s1.jsonl", _at_temperature(_timed_steps(8, 0.2, 0.01), 1.0)),
+              _write_trace(tmp_path / "s2.jsonl", _at_temperature(_timed_steps(30, 0.3, 0.01), 1.0))]
+    factors = temperature_factors(traces, curve)
+    assert factors[0.0] == {1: pytest.approx(0.5)}
+    assert factors[1.0] == {1: pytest.approx(2.5)}  # the runs' 2.0 and 3.0, each weighing the same
+
+    cost = CostModel({1: {6.0: 0.1}, 16: {6.0: 0.4}}, StepCostModel(0.01, 0.0), {}, {"target_verify": "x"},
+                     temperature_factors={0.0: {1: 0.5, 4: 0.8}, 1.0: {1: 1.0, 16: 2.0}})
+    assert cost.at_temperature(0.0).verify_s(1, 6) == pytest.approx(0.05)
+    assert cost.at_temperature(0.0).verify_s(16, 6) == pytest.approx(0.4 * 0.8)  # held at batch 4's
+    assert cost.at_temperature(0.7).verify_s(16, 6) == pytest.approx(0.8)  # the nearest sampled: T=1
+    assert cost.at_temperature(0.7).at_temperature(0.7).verify_s(16, 6) == pytest.approx(0.8)  # applied once
+    assert CostModel(cost.verify, cost.draft, {}, {}).at_temperature(1.0).verify_s(16, 6) == pytest.approx(0.4)
+    with pytest.raises(ValueError):  # every number needs its source
+        CostModel.from_json(cost.to_json())
+    cost.sources["draft_forward"] = cost.sources["target_verify.by_temperature"] = "measured"
+    again = CostModel.from_json(cost.to_json())
+    assert again.temperature_factors == cost.temperature_factors
+
+
+def test_a_sync_projection_replays_under_its_temperatures_verification(tmp_path):
+    """A sampled `sync` trace is projected with the sampled verification, a greedy one with the greedy; the
+    sync drafter records each row's temperature for it. vLLM's engines keep the curve (their own path)."""
+    from saguaro_vllm.drafter.predictor import StepCostModel
+    from saguaro_vllm.projection.engines import project_ar, project_spec
+
+    cost = CostModel({1: {1.0: 0.05, 6.0: 0.1}}, StepCostModel(0.001, 0.0), {}, {},
+                     temperature_factors={0.0: {1: 1.0}, 1.0: {1: 3.0}})
+    greedy = project_spec("saguaro-sync", _at_temperature(_timed_steps(8, 0.1, 0.01), 0.0), 5, cost)
+    sampled = project_spec("saguaro-sync", _at_temperature(_timed_steps(8, 0.1, 0.01), 1.0), 5, cost)
+    assert greedy["tokens_per_s"] == pytest.approx(5 / (0.1 + 0.005), rel=1e-3)
+    assert sampled["tokens_per_s"] == pytest.approx(5 / (0.3 + 0.005), rel=1e-3)
+    other = project_spec("vllm-draft_model", _at_temperature(_timed_steps(8, 0.1, 0.01), 1.0), 5, cost)
+    assert other["tokens_per_s"] == pytest.approx(greedy["tokens_per_s"], rel=1e-3)
+    assert project_ar(1, cost)["tokens_per_s"] == pytest.approx(20.0)
+
+
+def test_a_sync_trace_records_each_rows_temperature(draft_model, tmp_path):
+    runner = DraftModelRunner(draft_model, KVCacheConfig(num_blocks=256, block_size=16))
+    drafter = SyncDrafter(runner, vocab_size=draft_model.config.vocab_size)
+    path = tmp_path / "sync.jsonl.gz"
+    record_run(draft_model, drafter, path, rounds=3, sampling=SamplingSpec(temperature=0.7, seed=3))
+    _, steps = read_trace(path)
+    assert [r["temp"] for s in steps for r in s["rows"]] == [0.7] * 9
+
+
+def test_a_branch_step_costs_its_requests_rows_and_what_each_further_branch_adds(tmp_path):
+    """On a CPU a branch step reads each request's prefix once: 128 rows over 16 requests cost 16 requests'
+    own rows plus 112 forked rows' extra (66 ms measured on 2026-12-06, where the forks of one request alone
+    were timed at 43 ms and the requests' own rows at 1.8 ms per row). The replay's pre-draft steps use it with
+    the number of roots; a trace's own model fits it on what its branch steps took beyond their requests."""
+    from saguaro_vllm.drafter.predictor import StepCostModel
+
+    own = StepCostModel(0.0043, 0.0018)
+    cost = CostModel({1: {6.0: 0.1}}, own, {}, {}, branch=StepCostModel(0.0002, 0.0003))
+    assert cost.branch_step_s(128, 16) == pytest.approx(own.step_s(16) + 0.0002 + 112 * 0.0003)
+    assert cost.branch_step_s(8, 1) == pytest.approx(own.step_s(1) + 0.0002 + 7 * 0.0003)
+    assert cost.branch_step_s(4, 9) == pytest.approx(own.step_s(4) + 0.0002)  # never more parents than rows
+    assert CostModel({1: {6.0: 0.1}}, own, {}, {}).branch_step_s(128, 16) == pytest.approx(own.step_s(128))
+    cost.sources.update(target_verify="x", draft_forward="x", branch_forward="x")
+    assert CostModel.from_json(cost.to_json()).branch == cost.branch
+
+    clock = ModelClock(cost, finish_predraft=True)
+    clock.next_request(16, [5] * 16)
+    _, _, pre = clock.round(1, {"roots": [f"r{i}" for i in range(16)], "steps": 2, "rows": 128})
+    assert [f[2] for f in pre["forwards"]] == pytest.approx([cost.branch_step_s(128, 16)] * 2)
+
+    steps = _timed_steps(6, 0.1, 0.0043 + 0.0018)  # one request's own one-row forwards: 6.1 ms
+    for i, s in enumerate(steps[1:], 1):  # and a pre-draft of 1 + 2i rows after each answer
+        s["pre"] = {"batch": 1}
+        s["fwd"].append(["branch", 1 + 2 * i, 1 + 2 * i, 0.0061 + 0.0002 + 2 * i * 0.0003])
+    fitted = from_trace({"mode": "async"}, steps)
+    assert fitted.branch.fixed_s == pytest.approx(0.0002, abs=1e-6)
+    assert fitted.branch.per_row_s == pytest.approx(0.0003, rel=1e-3)
+
+
+def test_the_calibration_times_requests_rows_and_forked_rows_apart(tiny_pair):
+    """`measure_draft` times requests of their own (`distinct_step_s`) and branches forked from one
+    (`step_s`) on the drafter's runner and returns each fit; the branch model is what forks add beyond one
+    request's own row (`CostModel.branch_step_s`)."""
+    from saguaro_vllm.projection import calibrate as cal
+
+    own, points, extra, forked = cal.measure_draft(str(tiny_pair[1]), [1, 2, 4], prefix=40, reps=1, passes=1,
+                                                   branch_rows=[1, 4, 8], dtype="float32")
+    assert [p["rows"] for p in points] == [1, 2, 4] and [p["rows"] for p in forked] == [1, 4, 8]
+    assert all(p["s"] > 0 for p in points + forked)
+    forks = cal.StepCostModel.fit_forwards([(p["rows"], p["rows"], p["s"]) for p in forked])
+    assert extra.per_row_s == forks.per_row_s and extra.fixed_s == max(0.0, forks.step_s(1) - own.step_s(1))

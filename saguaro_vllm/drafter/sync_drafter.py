@@ -296,9 +296,10 @@ class SyncDrafter:
             st, sent = self.reqs.get(row.req_id), self._trace_sent.pop(row.req_id, None)
             out = (derive_outcome(sent, row.new_tokens)
                    if sent and st is not None and row.start == len(st.context) else None)
+            spec = st.sampling if st is not None else (row.sampling or SamplingSpec())
             rec["rows"].append({"id": row.req_id, "st": "new" if st is None else "drafted",
                                 "a": out.accepted if out else -1, "t": out.bonus if out else -1,
-                                "k": len(sent or ()), "new": len(row.new_tokens)})
+                                "k": len(sent or ()), "new": len(row.new_tokens), "temp": spec.temperature})
 
     def _trace_answer(self, req: StepRequest, drafts: list[list[int]], status: list[str], answer_s: float) -> None:
         for row, rec, d, st in zip(req.rows, self.trace.rec["rows"], drafts, status, strict=True):

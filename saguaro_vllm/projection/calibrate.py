@@ -1,13 +1,16 @@
 """`saguaro-vllm calibrate`: this machine's cost model for a pair, as JSON for `saguaro-vllm project`.
 
-- draft forward by rows: timed here with the drafter's own runner, as the SSD pre-draft runs it (N branches
-  forked from one request, one token each; `step_s`, also used by benchmarks/bench_draft_step.py), pinned to
-  the drafter's core, the least of 3 interleaved passes (`least_disturbed`), then fitted like the drafter's
-  own online model (`StepCostModel.fit_forwards`);
+- draft forward by rows, of two kinds, timed here with the drafter's own runner pinned to its core, the least
+  of 3 interleaved passes (`least_disturbed`), each fitted like the drafter's own online model
+  (`StepCostModel.fit_forwards`): requests' own rows (`distinct_step_s`: jit drafts, `sync`, the glue) and a
+  pre-draft's branch rows (`step_s`: N branches forked from one request, one token each, also used by
+  benchmarks/bench_draft_step.py), which share their prefix and cost far less per row on a CPU;
 - target verification by batch and tokens per row: a verify-curve JSON (benchmarks/verify_curve.py, vLLM's
   step with a free oracle drafter), or the drafter-seen verification of traces;
-- host overheads from traces of real runs: the drafter's answer time beyond its forwards (per step and row)
-  and, given a verify curve, what the proposer and the transport add to the target's step.
+- with a verify curve and traces, the verification per temperature and batch: the traces' drafter-seen
+  verification over the curve's (`temperature_factors`; it holds the proposer's and the transport's share);
+  `--no-by-temperature`: one proposer overhead per step pooled over the traces instead;
+- host overheads from traces of real runs: the drafter's answer time beyond its forwards (per step and row).
 """
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ import time
 from pathlib import Path
 
 from saguaro_vllm.drafter.predictor import StepCostModel
-from saguaro_vllm.drafter.trace import read_trace
-from saguaro_vllm.projection.cost_model import CostModel, from_trace, mean_curve, verifications, verify_samples
+from saguaro_vllm.drafter.trace import BRANCH, read_trace
+from saguaro_vllm.projection.cost_model import (CostModel, from_trace, mean_curve, verifications,
+                                                 verify_samples)
 
 logger = logging.getLogger("saguaro_vllm.projection")
 
@@ -43,6 +47,27 @@ def step_s(runner, prefix: int, rows: int, reps: int) -> float:
     return statistics.median(times[2:])
 
 
+def distinct_step_s(runner, prefix: int, rows: int, reps: int) -> float:
+    """Median seconds of one forward over `rows` requests of their own (different contexts of `prefix` tokens,
+    as a jit draft or a `sync` step feeds them), one new token each (two warm-up forwards first). On a CPU
+    these cost several times `step_s`'s forked rows (the demo draft at 256 tokens, 16 rows: 34.6 against
+    10.5 ms, 2026-12-06): timing only forks made every multi-row jit forward of a replay ~2x too cheap."""
+    ids = [f"d{rows}-{i}" for i in range(rows)]
+    for n, i in enumerate(ids):
+        runner.add_request(i)
+        runner.forward([(i, [5 + (n * 31 + j) % 97 for j in range(prefix)], 0)], max_tokens_per_seq=prefix)
+    times = []
+    for _ in range(reps + 2):
+        t0 = time.perf_counter()
+        runner.forward([(i, [7], prefix) for i in ids])
+        runner.synchronize()
+        times.append(time.perf_counter() - t0)
+        for i in ids:
+            runner.truncate(i, prefix)
+    runner.free_many(ids)
+    return statistics.median(times[2:])
+
+
 def least_disturbed(time_rows, rows_list: list[int], passes: int) -> list[dict]:
     """{"rows", "s"} per row count: the least of `passes` timings (`time_rows(rows)`), the row counts
     interleaved in each pass. Another job's load only ever slows a forward, so the least timing is the
@@ -58,10 +83,11 @@ def least_disturbed(time_rows, rows_list: list[int], passes: int) -> list[dict]:
 
 
 def measure_draft(draft: str, rows_list: list[int], prefix: int = 256, reps: int = 6, dtype: str = "auto",
-                  linear: str = "auto", device: str = "cpu", core: int | None = None,
-                  passes: int = 3) -> tuple[StepCostModel, list[dict]]:
+                  linear: str = "auto", device: str = "cpu", core: int | None = None, passes: int = 3,
+                  branch_rows: list[int] | None = None) -> tuple[StepCostModel, list[dict], StepCostModel, list[dict]]:
     """Time the draft forward at each row count (pinned to `core`, as the drafter is; the least of `passes`
-    interleaved timings: `least_disturbed`); the fitted model and the points."""
+    interleaved timings: `least_disturbed`), over requests' own rows (`distinct_step_s`) and over forked
+    branch rows (`step_s`, at `branch_rows`, default `rows_list`); the two fitted models and their points."""
     import torch
 
     if core is not None:
@@ -81,14 +107,23 @@ def measure_draft(draft: str, rows_list: list[int], prefix: int = 256, reps: int
     kind = resolve_linear(linear, device, dtype)
     model = load_draft_model(draft, dtype=getattr(torch, dtype), device=device)
     install_linear_kernel(model, kind)
-    blocks = (prefix // 16 + 2) * (max(rows_list) + 1) + 16
+    branch_rows = list(branch_rows or rows_list)
+    blocks = (prefix // 16 + 2) * (max(rows_list) + max(branch_rows) + 1) + 16
     runner = DraftModelRunner(model, KVCacheConfig(num_blocks=blocks, block_size=16))
     runner.add_request("parent")
     runner.forward([("parent", [5 + i % 97 for i in range(prefix)], 0)], max_tokens_per_seq=prefix)
-    points = least_disturbed(lambda r: step_s(runner, prefix, r, reps), rows_list, passes)
+    forked = least_disturbed(lambda r: step_s(runner, prefix, r, reps), branch_rows, passes)
     runner.free_request("parent")
-    fit = StepCostModel.fit_forwards([(p["rows"], p["rows"], p["s"]) for p in points])
-    return fit, points
+    points = least_disturbed(lambda r: distinct_step_s(runner, prefix, r, reps), rows_list, passes)
+
+    def fit(pts: list[dict]) -> StepCostModel:
+        return StepCostModel.fit_forwards([(p["rows"], p["rows"], p["s"]) for p in pts])
+
+    own, forks = fit(points), fit(forked)
+    # what forked rows add beyond their request's own row (`CostModel.branch_step_s`): the forks' line at one
+    # row less the requests' own, and their slope
+    extra = StepCostModel(max(0.0, forks.step_s(1) - own.step_s(1)), forks.per_row_s, forks.per_logit_s)
+    return own, points, extra, forked
 
 
 def verify_from_curve(path: str | Path) -> dict[int, dict[float, float]]:
@@ -97,6 +132,37 @@ def verify_from_curve(path: str | Path) -> dict[int, dict[float, float]]:
     out: dict[int, dict[float, float]] = {}
     for p in obj["points"]:
         out.setdefault(int(p["batch"]), {})[float(1 + p["depth"])] = p["verify_ms"] / 1e3
+    return out
+
+
+#: Verifications of one run at one temperature and batch that a temperature factor needs.
+MIN_SAMPLES = 5
+
+
+def temperature_factors(traces: list[str], verify: dict) -> dict[float, dict[int, float]]:
+    """Per temperature and batch: the traced verification (as the drafter saw it: target, proposer and
+    transport) over the verify curve's, the mean of the runs' ratios (each run weighing the same; a step's
+    temperature is its rows': 0 when all are greedy; a run's ratio needs MIN_SAMPLES steps). The verify
+    curve's free oracle drafter takes vLLM's path at T=0; Saguaro's runs take the all-greedy verification
+    there and vLLM's sampled rejection at T > 0, so one factor per temperature cannot be pooled over
+    temperatures or batches (a pooled proposer overhead read -18..-26 % at batch 1 and +11..+30 % at 16,
+    2026-12-06)."""
+    probe = CostModel(verify, StepCostModel(0.0, 0.0), {}, {})
+    ratios: dict[tuple[float, int], list[float]] = {}
+    for path in traces:
+        _, steps = read_trace(path)
+        sums: dict[tuple[float, int], list[float]] = {}  # per (the step's temperature, batch)
+        for b, tpr, v, temp in verifications(steps, with_temperature=True):
+            acc = sums.setdefault((temp, b), [0.0, 0.0, 0])
+            acc[0] += v
+            acc[1] += probe.verify_s(b, tpr)
+            acc[2] += 1
+        for key, (measured_s, modelled_s, n) in sums.items():
+            if n >= MIN_SAMPLES:  # (a batch a run passes through for a step or two as its requests finish)
+                ratios.setdefault(key, []).append(measured_s / modelled_s)
+    out: dict[float, dict[int, float]] = {}
+    for (temp, b), r in sorted(ratios.items()):
+        out.setdefault(temp, {})[b] = statistics.mean(r)
     return out
 
 
@@ -121,6 +187,9 @@ def overheads_from_traces(traces: list[str], verify: dict | None) -> tuple[dict[
         out["proposer_step_s"] = max(0.0, statistics.mean(extra))
     return out, f"measured in {len(traces)} trace(s): " + ", ".join(Path(t).name for t in traces)
 
+
+#: Row counts of the timed branch steps (a pre-draft at batch 16 steps 128-256 rows).
+BRANCH_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 #: Factors per trace in a calibrated spread (its quantiles): every run weighs the same.
 QUANTILES = 200
@@ -159,29 +228,41 @@ def jitter_from_traces(traces: list[str], cost: CostModel) -> dict[str, list[flo
     with each run weighing the same (`pooled_spread`). Their mean also carries the load of the machine
     during the runs into the model."""
     verify, forward = [], []
+    at_temp: dict[float, CostModel] = {}
     for path in traces:
         _, steps = read_trace(path)
-        forward.append([f[3] / max(cost.forward_s(f[1], f[2]), 1e-9) for s in steps for f in s.get("fwd", [])])
+        forward.append([f[3] / max(cost.branch_step_s(f[1], s.get("pre", {}).get("batch", 1)) if f[0] == BRANCH
+                                   else cost.forward_s(f[1], f[2]), 1e-9)
+                        for s in steps for f in s.get("fwd", [])])
         # decode steps only (`verifications`: a new row's verification also holds its prompt's prefill)
-        verify.append([v / (cost.verify_s(b, tpr) + cost.overhead("proposer", b))
-                       for b, tpr, v in verifications(steps)])
+        samples = verifications(steps, with_temperature=True)
+        for t in {x[3] for x in samples} - at_temp.keys():
+            at_temp[t] = cost.at_temperature(t)
+        verify.append([v / (at_temp[t].verify_s(b, tpr) + at_temp[t].overhead("proposer", b))
+                       for b, tpr, v, t in samples])
     return {k: v for k, v in (("target_verify", pooled_spread(verify)), ("draft_forward", pooled_spread(forward)))
             if v}
 
 
 def calibrate(out: str, draft: str | None = None, verify_curve: str | None = None, traces: list[str] = (),
-              rows: list[int] = (1, 2, 4, 8, 16, 32), name: str | None = None, core: int | None = None) -> CostModel:
+              rows: list[int] = (1, 2, 4, 8, 16, 32), name: str | None = None, core: int | None = None,
+              by_temperature: bool = True) -> CostModel:
     """Build the cost model from what is given (see the module doc) and write it to `out`."""
     if not draft and not traces:
         raise ValueError("calibrate needs --draft (to time the draft forward) or --from-trace")
     sources: dict[str, str] = {}
+    branch = None
     if draft:
-        fit, points = measure_draft(draft, list(rows), core=core)
-        sources["draft_forward"] = (f"measured here: {Path(draft).name}, forked branches at prefix 256, rows "
+        fit, points, branch, forked = measure_draft(draft, list(rows), core=core, branch_rows=BRANCH_ROWS)
+        sources["draft_forward"] = (f"measured here: {Path(draft).name}, requests of their own at 256 tokens, rows "
                                     + ", ".join(f"{p['rows']}: {1e3 * p['s']:.2f} ms" for p in points))
+        sources["branch_forward"] = (f"measured here: {Path(draft).name}, branches forked at 256 tokens, rows "
+                                     + ", ".join(f"{p['rows']}: {1e3 * p['s']:.2f} ms" for p in forked))
     base = from_trace(*read_trace(traces[0])) if traces else None
     if not draft:
         fit, sources["draft_forward"] = base.draft, base.sources["draft_forward"]
+        if base.branch is not None:
+            branch, sources["branch_forward"] = base.branch, base.sources["branch_forward"]
     if verify_curve:
         verify = verify_from_curve(verify_curve)
         sources["target_verify"] = f"benchmarks/verify_curve.py: {Path(verify_curve).name}"
@@ -195,10 +276,17 @@ def calibrate(out: str, draft: str | None = None, verify_curve: str | None = Non
     else:
         raise ValueError("calibrate needs --verify-curve or --from-trace for the target's verification")
     overheads: dict[str, float] = {}
-    if traces:
-        overheads, src = overheads_from_traces(list(traces), verify if verify_curve else None)
+    factors: dict[float, dict[int, float]] = {}
+    if traces and verify_curve and by_temperature:
+        factors = temperature_factors(list(traces), verify)
+        sources["target_verify.by_temperature"] = (
+            f"measured in {len(traces)} trace(s): per temperature and batch, the mean over runs of the "
+            "drafter-seen verification (target + proposer + transport) over the verify curve's")
+    if traces:  # (with temperature factors the proposer's share is in them)
+        overheads, src = overheads_from_traces(list(traces), verify if verify_curve and not factors else None)
         sources.update(dict.fromkeys(overheads, src))
-    cost = CostModel(verify, fit, overheads, sources, name or "calibrated on this machine")
+    cost = CostModel(verify, fit, overheads, sources, name or "calibrated on this machine",
+                     temperature_factors=factors, branch=branch)
     if traces:
         cost.jitter = jitter_from_traces(list(traces), cost)
         sources.update({f"jitter.{k}": f"measured in {len(traces)} trace(s) over this model: each run's factors "

@@ -85,7 +85,7 @@ class ModelClock:
         if plan is not None:
             t += self.cost.overhead("predraft")
             while len(forwards) < plan["steps"] and (t < self.arrival or self.finish_predraft):
-                step_s = self._forward(plan["rows"], plan["rows"])
+                step_s = self._spread("draft_forward", self.cost.branch_step_s(plan["rows"], len(plan["roots"])))
                 t += step_s
                 forwards.append((plan["rows"], plan["rows"], step_s))
             late = max(late, t - self.arrival)

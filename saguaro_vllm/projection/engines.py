@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 
 from saguaro_vllm.projection.clocks import ModelClock, TraceClock
-from saguaro_vllm.projection.cost_model import CostModel
+from saguaro_vllm.projection.cost_model import CostModel, trace_temperature
 from saguaro_vllm.projection.replay import LOOKED_UP, OutcomePool, ReplayResult, SSDReplay
 
 
@@ -106,6 +106,7 @@ def project_ssd(header: dict, steps: list[dict], cost: CostModel, seed: int = 0,
     """SSD under the cost model; with a measured spread (`cost.jitter`) the mean of REPEATS replays, each
     drawing its own times (tokens over seconds summed over all of them), with each one's rate beside it."""
     opts = header.get("options") or {}
+    cost = cost.at_temperature(trace_temperature(steps))
     total = None
     rates = []
     for i in range(REPEATS if cost.jitter else 1):
@@ -163,6 +164,8 @@ def project_spec(engine: str, steps: list[dict], k: int, cost: CostModel, seed: 
     verification: the first counted drafting, in a batch-1 trace its prompt's, 108 tokens, was left out,
     the one after the last step counted, and a `sync` trace's new rows, which have no `feed`, fed 1 token)."""
     tokens = seconds = 0.0
+    if engine == "saguaro-sync":  # (vLLM draft_model verifies through vLLM's own path at every temperature)
+        cost = cost.at_temperature(trace_temperature(steps))
     fv, fd = cost.mean_factor("target_verify"), cost.mean_factor("draft_forward")  # sums: the spread's mean
     outcome = [None, *_neural_tokens(steps, k, seed)]  # per step: accepted + 1 per row (none for the first)
     for n in range(count_from + 1, len(steps)):
@@ -179,4 +182,6 @@ def project_spec(engine: str, steps: list[dict], k: int, cost: CostModel, seed: 
 
 
 def project_ar(batch: int, cost: CostModel) -> dict:
+    """vLLM AR: one target step of one token per row (the verify curve's depth 0: vLLM's own sampler, which
+    the temperature factors, measured on Saguaro's verification path, do not describe)."""
     return _summary("vllm-ar", batch, batch, cost.mean_factor("target_verify") * cost.verify_s(batch, 1.0))

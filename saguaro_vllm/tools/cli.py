@@ -143,6 +143,9 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
                    "and drafts per row")
     p.add_argument("--from-trace", nargs="*", default=[], help="traces of real runs on this machine: host "
                    "overheads (and, without --verify-curve, the verification as the drafter saw it)")
+    p.add_argument("--no-by-temperature", dest="by_temperature", action="store_false",
+                   help="with --verify-curve and --from-trace: one proposer overhead pooled over the traces "
+                   "instead of the verification's factor per temperature and batch measured in them")
     p.add_argument("--name", help="a name for the cost model")
     p.add_argument("--out", required=True, help="where to write the cost model JSON")
 
@@ -152,7 +155,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
     try:
         cost = calibrate(args.out, args.draft, args.verify_curve, args.from_trace,
-                         [int(r) for r in args.rows.split(",")], args.name, args.core)
+                         [int(r) for r in args.rows.split(",")], args.name, args.core, args.by_temperature)
     except (OSError, ValueError, KeyError) as e:
         print(f"saguaro-vllm calibrate: error: {e}", file=sys.stderr)
         return 2
@@ -162,6 +165,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     for b in sorted(cost.verify):
         print(f"verification, batch {b}: " + ", ".join(f"{t:g} tokens/row {1e3 * s:.1f} ms"
                                                      for t, s in sorted(cost.verify[b].items())))
+    for t in sorted(cost.temperature_factors):
+        print(f"verification at T={t:g}: " + ", ".join(f"batch {b} x{f:.3f}"
+                                                        for b, f in sorted(cost.temperature_factors[t].items())))
     for k, v in cost.overheads.items():
         print(f"{k}: {1e3 * v:.3f} ms")
     print(f"wrote {args.out}")
