@@ -15,7 +15,10 @@ bounds of the host part). Per (batch, budget, temperature), averaged over rounds
   its steps in this mean;
 - `jit_ms`: per forward of an answer whose rows all miss (drafted just in time);
 - `transfers_per_forward`: `.item/.tolist/int/bool/.cpu` calls (device-to-host transfers on a GPU) per
-  forward over the whole round (tests/sync_count.py).
+  forward over the whole round (tests/sync_count.py);
+- `*_model_ms`: of each of the above, the time inside the draft model's forward and LM head (its kernels: on
+  a GPU device work, not host time; here the CPU runs them, ~2.4 ms for 2048 one-token rows even at hidden
+  16), and `*_host_ms` the rest: what the drafter's own code adds, the figure the issue's goals are about.
 
     .venv/bin/python benchmarks/bench_host_overhead.py                       # batches 1,16,64 x budgets 0,8,32
     .venv/bin/python benchmarks/bench_host_overhead.py --trees before=/tmp/before,after=.
@@ -78,11 +81,24 @@ def measure(model_path: str, batch: int, budget: int, temperature: float, rounds
     from device_rounds import count_forwards  # this folder is on sys.path when run as a script
 
     forwards = count_forwards(runner)
+    model_s = [0.0]  # seconds inside the model's forward and LM head (kernels: device work on a GPU)
+
+    def timed(fn):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                model_s[0] += time.perf_counter() - t0
+        return run
+
+    model.forward, model.compute_logits = timed(model.forward), timed(model.compute_logits)
     rng = np.random.default_rng(0)
     spec = SamplingSpec() if temperature == 0 else SamplingSpec(temperature=temperature, seed=1)
     ctx = {f"r{i}": rng.integers(2, vocab - 2, 24).tolist() for i in range(batch)}
     resp = drafter.step(StepRequest(1, [RowUpdate(r, 0, c, K, spec) for r, c in ctx.items()], []))
     sums = {"answer": [], "glue": [], "branch_step": [], "jit": []}
+    inside = {name: [] for name in sums}  # the model's share of each
     transfers = fwd_total = 0
     step = 1
     for rnd in range(rounds):
@@ -92,12 +108,13 @@ def measure(model_path: str, batch: int, budget: int, temperature: float, rounds
         with CountTransfers() as count:
             forwards[0] = 0
             while drafter.busy:
-                before = forwards[0]
+                before, m0 = forwards[0], model_s[0]
                 t0 = time.perf_counter()
                 drafter.advance()
                 dt = time.perf_counter() - t0
                 if forwards[0] > before:
                     sums["glue" if first else "branch_step"].append(dt)
+                    inside["glue" if first else "branch_step"].append(model_s[0] - m0)
                     first = False
             fwd_total += forwards[0]
             rows, hit = [], rnd % 2 == 0 or not budget  # alternate all-hit and all-miss answers
@@ -108,21 +125,26 @@ def measure(model_path: str, batch: int, budget: int, temperature: float, rounds
                 rows.append(RowUpdate(rid, len(c), resp.drafts[j] + [bonus], K))
                 ctx[rid] = c + resp.drafts[j] + [bonus]
             step += 1
-            forwards[0] = 0
+            forwards[0], m0 = 0, model_s[0]
             t0 = time.perf_counter()
             resp = drafter.step(StepRequest(step, rows, []))
             dt = time.perf_counter() - t0
             fwd_total += forwards[0]
             if forwards[0]:
                 sums["jit"].append(dt / forwards[0])
+                inside["jit"].append((model_s[0] - m0) / forwards[0])
             elif "hit" in resp.row_status:
                 sums["answer"].append(dt)
+                inside["answer"].append(model_s[0] - m0)
         transfers += count.total
     ring.close()
     out = {"batch": batch, "budget": budget, "temperature": temperature, "vocab": vocab, "rounds": rounds,
            "transfers_per_forward": transfers / max(fwd_total, 1)}
     for name, values in sums.items():
         out[f"{name}_ms"] = 1e3 * sum(values) / len(values) if values else None
+        model_ms = 1e3 * sum(inside[name]) / len(values) if values else None
+        out[f"{name}_model_ms"] = model_ms
+        out[f"{name}_host_ms"] = out[f"{name}_ms"] - model_ms if values else None
     return out
 
 

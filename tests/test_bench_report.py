@@ -265,6 +265,9 @@ def test_real_vocab_and_host_overhead_sections():
     text = "\n".join(report.host_overhead_section(host))
     assert "| 0 | 256 | 64 | 32 | after | 0.50 | 1.00 | 1.50 | - | 1.0 |" in text
     assert "| 0 | 256 | 64 | 32 | before | 2.00 | 1.00 | 9.00 | - | 400.0 |" in text
+    host[0]["results"][1].update(branch_step_host_ms=0.6, glue_host_ms=0.25)  # newer results split off the model
+    text = "\n".join(report.host_overhead_section(host))
+    assert "| 0 | 256 | 64 | 32 | after | 0.50 | 1.00 (0.25) | 1.50 (0.60) | - | 1.0 |" in text
 
 
 # ------------------------------------------------------------------ benchmarks/bench_serve.py (vllm bench serve)

@@ -39,6 +39,13 @@ def test_allocator_rejects_double_free():
     alloc.free(blocks)
     with pytest.raises(ValueError, match="freed twice"):
         alloc.free(blocks)
+    (b,) = alloc.allocate(1)
+    with pytest.raises(ValueError, match="freed twice"):  # a list holding it twice: one holder, two drops
+        alloc.free([b, b])
+    assert alloc.refcount(b) == 1  # checked before anything changed
+    alloc.share([b])
+    alloc.free([b, b])  # two holders: both go
+    assert alloc.refcount(b) == 0 and alloc.num_free == 2
 
 
 def test_block_table_grows_shrinks_and_maps_slots():

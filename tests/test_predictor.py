@@ -367,3 +367,23 @@ def test_outcome_stats_lazy_decay_equals_decaying_every_count():
             assert lazy.rank_probs(j, 5) == pytest.approx(ref.rank_probs(j, 5))
         assert lazy.depth_probs(5, 0.7) == pytest.approx(ref.depth_probs(5, 0.7))
         assert lazy.allocate(24, 5, 0.7) == ref.allocate(24, 5, 0.7)
+
+
+def test_rank_estimate_decays_through_one_scale_as_if_every_count_decayed():
+    """`RankEstimate` keeps counts / scale (a decay is one multiplication; every looked-up row observes): its
+    counts and hit probabilities equal decaying every count per observation, across a rescale."""
+    from saguaro_vllm.drafter.predictor import MAX_RANK, RankEstimate
+
+    lazy, eager = RankEstimate(decay=0.5), RankEstimate(decay=0.5)
+    eager_counts = list(eager.counts)
+    for i in range(400):  # 0.5 ** 400 underflows the scale's floor: it is folded back in on the way
+        rank = (i * 7) % (MAX_RANK + 3)
+        lazy.observe(rank)
+        eager_counts = [c * 0.5 for c in eager_counts]
+        eager_counts[min(rank, MAX_RANK)] += 1.0
+        if i % 37 == 0 or i > 395:
+            assert lazy.counts == pytest.approx(eager_counts, rel=1e-9, abs=1e-300)
+            total = sum(eager_counts)
+            for f in (0, 1, 3, MAX_RANK, MAX_RANK + 2):
+                assert lazy.hit_prob(f) == pytest.approx(sum(eager_counts[:min(f, MAX_RANK)]) / total, rel=1e-9)
+    assert lazy._scale > 1e-100

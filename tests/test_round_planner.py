@@ -224,3 +224,23 @@ def test_a_miss_at_batch_1_is_weighed_against_the_long_run_rate():
     planner.observe_round(0.12, 0.01, ran_branches=True)
     miss = [DraftNow(0, 1, 5, expected_tokens(planner.predictor.neural.alpha, 5) - 1.0)]
     assert planner.draft_now(miss, 1.0) == [0]
+
+
+def test_observing_ranks_keeps_one_statistics_object_per_temperature(monkeypatch):
+    """The answer observes every looked-up row: the statistics of a temperature are made once, not built and
+    thrown away per row (`setdefault`'s default did that: ~4 us of a row, 0.26 ms of a batch-64 answer)."""
+    from saguaro_vllm.drafter import round_planner
+
+    made = []
+    real = round_planner.OutcomeStats
+
+    class Counted(real):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(round_planner, "OutcomeStats", Counted)
+    planner = RoundPlanner({})
+    for i in range(50):
+        planner.observe_rank(0.7 if i % 2 else 0.0, i % 3, 5, i % 7)
+    assert len(made) == 2 and len(planner.outcomes) == 2

@@ -55,6 +55,7 @@ def test_hit_returns_the_branch_and_releases_the_others():
     released: list[str] = []
     cache, _ = filled(released)
     assert sorted(cache.outcomes("r")) == [(0, 8), (0, 9), (1, 9), (3, 4)] and len(cache) == 4
+    assert cache.has_entries("r") and not cache.has_entries("q")
     outcome, hit = cache.lookup("r", 10, [5, 9])
     assert outcome == Outcome(1, 9) and (hit.depth, hit.bonus) == (1, 9)
     assert sorted(released) == ["r/0/8", "r/0/9", "r/3/4"] and len(cache) == 0
@@ -62,6 +63,7 @@ def test_hit_returns_the_branch_and_releases_the_others():
     assert (s.lookups, s.hits, s.unmatched, s.hit_rate) == (1, 1, 0, 1.0)
     assert s.lookups_by_depth == {1: 1} and s.hits_by_depth == {1: 1}
     assert cache.lookup("r", 12, [1]) == (None, None)  # the round is over: a second lookup is a miss
+    assert not cache.has_entries("r")
 
 
 def test_miss_counts_its_depth_and_releases_everything():
@@ -144,6 +146,6 @@ def test_release_many_gets_a_rounds_branches_in_release_order():
     run(SpeculationCache(one.append))
     calls: list[list[str]] = []
     single: list[str] = []
-    run(SpeculationCache(single.append, release_many=calls.append))
+    run(SpeculationCache(single.append, release_many=lambda branches: calls.append([b.seq_id for b in branches])))
     assert calls == [["r/0/9", "r/0/8", "r/3/4"], ["r/2/1", "r/0/3"], ["q/0/1"]] and single == ["r/4/4"]
     assert [s for c in calls[:2] for s in c] + single + calls[2] == one

@@ -147,15 +147,22 @@ class BlockAllocator:
 
     def free(self, blocks: list[int]) -> None:
         """One holder fewer for each of `blocks`; checked in full before anything changes."""
-        drops: dict[int, int] = {}
-        for b in blocks:
-            drops[b] = drops.get(b, 0) + 1
-            if drops[b] > self._refs[b]:
+        refs = self._refs
+        if len(set(blocks)) == len(blocks):  # (a table's blocks, each once: the check is one pass)
+            if not all(refs[b] > 0 for b in blocks):
+                b = next(b for b in blocks if refs[b] <= 0)
                 raise ValueError(f"block {b} freed twice or never allocated")
+        else:
+            drops: dict[int, int] = {}
+            for b in blocks:
+                drops[b] = drops.get(b, 0) + 1
+                if drops[b] > refs[b]:
+                    raise ValueError(f"block {b} freed twice or never allocated")
+        free = self._free
         for b in reversed(blocks):
-            self._refs[b] -= 1
-            if not self._refs[b]:
-                self._free.append(b)
+            refs[b] -= 1
+            if not refs[b]:
+                free.append(b)
 
 
 class BlockTable:

@@ -303,16 +303,25 @@ class RankEstimate:
 
     def __init__(self, top1: float = TOP1_HIT, prior_weight: float = 4.0, decay: float = 0.97):
         self.decay = decay
-        self.counts = [prior_weight * top1 * (1 - top1) ** r for r in range(MAX_RANK)]
-        self.counts.append(prior_weight - sum(self.counts))  # rank >= MAX_RANK
+        # counts / `_scale`, as in `OutcomeStats`: a decay is one multiplication (every looked-up row observes)
+        self._counts = [prior_weight * top1 * (1 - top1) ** r for r in range(MAX_RANK)]
+        self._counts.append(prior_weight - sum(self._counts))  # rank >= MAX_RANK
+        self._scale = 1.0
+
+    @property
+    def counts(self) -> list[float]:
+        """Decayed counts per rank 0..MAX_RANK (the last: not among the candidates), the prior included."""
+        return [c * self._scale for c in self._counts]
 
     def observe(self, rank: int) -> None:
-        self.counts = [c * self.decay for c in self.counts]
-        self.counts[min(max(rank, 0), MAX_RANK)] += 1.0
+        self._scale *= self.decay
+        if self._scale < 1e-100:
+            self._counts, self._scale = self.counts, 1.0
+        self._counts[min(max(rank, 0), MAX_RANK)] += 1.0 / self._scale
 
     def hit_prob(self, f: int) -> float:
-        total = sum(self.counts)
-        return sum(self.counts[: max(0, min(f, MAX_RANK))]) / total if total else 0.0
+        total = sum(self._counts)  # a ratio: the scale cancels
+        return sum(self._counts[: max(0, min(f, MAX_RANK))]) / total if total else 0.0
 
 
 def expected_hit_rate(fanout: Sequence[int], alpha: float, ranks: RankEstimate | None = None) -> float:

@@ -115,6 +115,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         self.opts = options
         self.cache = SpeculationCache(release=self._defer_release, release_many=self._defer_release_many)
         self._garbage: list[str] = []  # branch sequences to free once the answer is out
+        self._garbage_rounds: list[list] = []  # and the branches of whole rounds (their ids read then)
         self._total_blocks = runner.num_free_blocks
         self.planner = RoundPlanner(options)  # measurements and decisions (no model work)
         self._sent: dict[str, _Sent] = {}
@@ -139,11 +140,14 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         """Branches that lost their round are freed after the answer is sent (off the critical path)."""
         self._garbage.append(seq_id)
 
-    def _defer_release_many(self, seq_ids: list[str]) -> None:
-        self._garbage.extend(seq_ids)
+    def _defer_release_many(self, branches: list) -> None:
+        self._garbage_rounds.append(branches)
 
     def _flush_garbage(self) -> None:
         garbage, self._garbage = self._garbage, []
+        if self._garbage_rounds:
+            rounds, self._garbage_rounds = self._garbage_rounds, []
+            garbage += [b.seq_id for branches in rounds for b in branches]
         has = self.runner.has_request
         self.runner.free_many([s for s in dict.fromkeys(garbage) if has(s)])  # in order, each once
 
@@ -172,7 +176,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
     @property
     def busy(self) -> bool:
         """Pre-drafting (or deferred clean-up) is pending: call `advance` while no request is waiting."""
-        return self._work is not None or bool(self._garbage)
+        return self._work is not None or bool(self._garbage) or bool(self._garbage_rounds)
 
     def answered(self) -> None:
         """The answer of the last `step` went out: the verification starts now."""
@@ -269,7 +273,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         sent = self._sent.pop(row.req_id, None)
         branch = None
         if st is not None and sent is not None:
-            had_branches = bool(self.cache.outcomes(row.req_id))
+            had_branches = self.cache.has_entries(row.req_id)
             outcome, branch = self.cache.lookup(row.req_id, row.start, row.new_tokens)
             ans.status[i] = JIT  # a miss until proven otherwise; the backup kind is set later
             if outcome is not None:
@@ -298,8 +302,10 @@ class SSDDrafter(PreDrafter, SyncDrafter):
             st.draft_logits = branch.logit_refs[:keep]
             if self.runner.num_computed(row.req_id) > len(st.context) + len(st.drafted):
                 self.runner.truncate(row.req_id, len(st.context) + len(st.drafted))
-            if branch.prob_rows and keep:
-                ans.probs[i] = list(branch.prob_rows[:keep])
+            if keep and not st.sampling.greedy:
+                rows = branch.prob_rows
+                if rows:
+                    ans.probs[i] = list(rows[:keep])
             if keep < ans.want[i]:
                 ans.topups.append((i, ans.want[i] - keep))
             return
@@ -433,7 +439,8 @@ class SSDDrafter(PreDrafter, SyncDrafter):
     def _draft_now(self, req: StepRequest, drafts, probs, topups, jit_rows, want) -> None:
         """Draft on the critical path: `want[row]` (K) tokens for jit misses, the missing tail of hits cut
         short. Misses that find no room let go of their KV (hits keep theirs: they have drafts)."""
-        if (jit_rows or topups) and self._garbage and self.runner.num_free_blocks < self._total_blocks // 4:
+        tight = self.runner.num_free_blocks < self._total_blocks // 4
+        if (jit_rows or topups) and (self._garbage or self._garbage_rounds) and tight:
             self._flush_garbage()  # the KV cache is tight: the deferred branches' blocks are needed now
         jobs: dict[int, int] = {}  # row -> drafts still wanted
         chunks = []
