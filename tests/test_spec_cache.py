@@ -149,3 +149,32 @@ def test_release_many_gets_a_rounds_branches_in_release_order():
     run(SpeculationCache(single.append, release_many=lambda branches: calls.append([b.seq_id for b in branches])))
     assert calls == [["r/0/9", "r/0/8", "r/3/4"], ["r/2/1", "r/0/3"], ["q/0/1"]] and single == ["r/4/4"]
     assert [s for c in calls[:2] for s in c] + single + calls[2] == one
+
+
+def test_put_many_equals_put_of_each():
+    """`put_many` (a request's branches at once, what the pre-draft does) leaves the entries `put` of each
+    leaves, refuses an outcome twice and a branch of another request (changing nothing), and hands a stale
+    round's branches to `release_many` (or `release` of each without it)."""
+    keys = [(0, 9), (0, 8), (1, 9), (3, 4)]
+    one, many = SpeculationCache([].append), SpeculationCache([].append)
+    rnd = [one.start_round("r", 10, DRAFTS), many.start_round("r", 10, DRAFTS)]
+    for key in keys:
+        one.put(branch("r", *key), rnd[0])
+    assert many.put_many("r", [branch("r", *key) for key in keys], rnd[1])
+    assert many.outcomes("r") == one.outcomes("r") and len(many) == 4
+    with pytest.raises(ValueError, match="cached twice"):
+        many.put_many("r", [branch("r", 2, 1), branch("r", 0, 8)], rnd[1])
+    with pytest.raises(ValueError, match="cached twice"):
+        many.put_many("r", [branch("r", 2, 1), branch("r", 2, 1)], rnd[1])
+    with pytest.raises(ValueError, match="another request"):
+        many.put_many("r", [branch("q", 2, 1)], rnd[1])
+    assert many.outcomes("r") == one.outcomes("r")
+    assert many.lookup("r", 10, [5, 9])[1].seq_id == "r/1/9"
+    released: list[str] = []
+    calls: list[list[str]] = []
+    for cache in (SpeculationCache(released.append),
+                  SpeculationCache(released.append, release_many=lambda bs: calls.append([b.seq_id for b in bs]))):
+        old = cache.start_round("r", 10, DRAFTS)
+        cache.start_round("r", 12, DRAFTS)
+        assert not cache.put_many("r", [branch("r", 0, 1), branch("r", 1, 2)], old)
+    assert released == ["r/0/1", "r/1/2"] and calls == [["r/0/1", "r/1/2"]]

@@ -14,9 +14,10 @@ import collections
 import contextlib
 import itertools
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -145,6 +146,26 @@ class BlockAllocator:
                 if not refs[b]:
                     free.append(b)
 
+    def free_rows(self, table: np.ndarray, lengths: np.ndarray) -> None:
+        """`free` of each row's first `lengths[i]` blocks, row after row (the same free list, block for block),
+        without Python per block held: a block returns to the free list at its last holder, so in the order of
+        its last occurrence among the rows' blocks as `free` visits them (each row reversed). All checked
+        before anything changes."""
+        cols = lengths[:, None] - 1 - np.arange(table.shape[1])[None, :]
+        visited = np.take_along_axis(table, np.maximum(cols, 0), axis=1)[cols >= 0]
+        if not len(visited):
+            return
+        blocks, first_reversed, drops = np.unique(visited[::-1], return_index=True, return_counts=True)
+        ids = blocks.tolist()
+        refs = self._refs
+        left = np.fromiter(map(refs.__getitem__, ids), dtype=np.int64, count=len(ids)) - drops
+        if (left < 0).any():
+            raise ValueError(f"block {blocks[np.argmax(left < 0)]} freed twice or never allocated")
+        list(map(refs.__setitem__, ids, left.tolist()))
+        gone = left == 0
+        last = len(visited) - 1 - first_reversed[gone]
+        self._free.extend(blocks[gone][np.argsort(last)].tolist())
+
     def free(self, blocks: list[int]) -> None:
         """One holder fewer for each of `blocks`; checked in full before anything changes."""
         refs = self._refs
@@ -163,6 +184,19 @@ class BlockAllocator:
             refs[b] -= 1
             if not refs[b]:
                 free.append(b)
+
+
+@dataclass(frozen=True)
+class ForkRows:
+    """Forks as rows (`PagedKVCache.fork_rows`): which of those asked for fit, and per admitted fork its block
+    table row (int32, padded with 0; the parent's full blocks, shared, then its own), blocks, and the blocks it
+    copied (its partial block) and reserved for growth."""
+
+    admitted: np.ndarray
+    table: np.ndarray
+    num_blocks: np.ndarray
+    copied: np.ndarray
+    grown: np.ndarray
 
 
 class BlockTable:
@@ -327,6 +361,54 @@ class PagedKVCache:
         self.copy_blocks(copies)
         return out
 
+    def fork_rows(self, parents: Sequence[list[int]], parent_of: np.ndarray, num_tokens: np.ndarray,
+                  new_tokens: np.ndarray) -> ForkRows:
+        """`fork_tables` with the children as rows of arrays, not `BlockTable`s: fork i forks `parents[parent_of[i]]`
+        (a block list) at `num_tokens[i]` and reserves `new_tokens[i]` more, where it fits (the same blocks,
+        block for block, and the same free list and reference counts). Its Python is per parent and fork
+        length, not per fork: the new blocks are one slice of the free list where all fit, the prefix
+        counts raised once per (parent, length) by the number of its forks. The caller checks that each
+        length is within its parent's blocks."""
+        bs, alloc = self.block_size, self.allocator
+        full, partial = np.divmod(num_tokens, bs)
+        copied = (partial > 0).astype(np.int64)
+        need = np.maximum(copied, -(-(num_tokens + new_tokens) // bs) - full)  # the copy, then the growth
+        free, refs = alloc._free, alloc._refs
+        if int(need.sum()) <= len(free):
+            admitted = np.arange(len(need))
+        else:  # a cache too small for all: each fork in order takes what it needs if that is left
+            left, fits = len(free), []
+            for x in need.tolist():
+                fits.append(x <= left)
+                left -= x if x <= left else 0
+            admitted = np.flatnonzero(fits)
+        full, copied, take, owner = full[admitted], copied[admitted], need[admitted], parent_of[admitted]
+        total = int(take.sum())
+        new = free[len(free) - total:][::-1]  # fork after fork, each its slice reversed: what `allocate` gives
+        del free[len(free) - total:]
+        for b in new:
+            refs[b] = 1
+        width = max(1, int((full + take).max(initial=0)))
+        prefix_width = max((len(p) for p in parents), default=0)
+        ptab = np.zeros((len(parents), max(prefix_width, width)), dtype=np.int32)
+        for i, blocks in enumerate(parents):
+            ptab[i, : len(blocks)] = blocks
+        table = ptab[owner, :width]
+        table[np.arange(width)[None, :] >= full[:, None]] = 0
+        starts = np.cumsum(take) - take
+        rows = np.repeat(np.arange(len(take)), take)
+        table[rows, np.repeat(full - starts, take) + np.arange(total)] = new
+        has_copy = np.flatnonzero(copied)
+        self.copy_arrays(ptab[owner[has_copy], full[has_copy]], table[has_copy, full[has_copy]])
+        # the shared prefixes' new holders: one pass over a parent's blocks per fork length, not per fork
+        shared = full > 0
+        keys, counts = np.unique(owner[shared] * (prefix_width + 1) + full[shared], return_counts=True)
+        for key, count in zip(keys.tolist(), counts.tolist()):
+            p, n = divmod(key, prefix_width + 1)
+            for b in parents[p][:n]:
+                refs[b] += count
+        return ForkRows(admitted, table, full + take, copied, take - copied)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """`copy_block(src, dst)` for each (src, dst), as one indexed copy per layer (none of the dst may be
         a src); inside `deferred_copies`, at its end with the others."""
@@ -337,10 +419,24 @@ class PagedKVCache:
             return
         self._copy_indexed([dst for _, dst in pairs], [src for src, _ in pairs])
 
+    def copy_arrays(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """`copy_blocks` of the pairs `(src[i], dst[i])`, given as arrays (no Python per pair unless inside
+        `deferred_copies`)."""
+        if not len(src):
+            return
+        if self._deferred is not None:
+            self._deferred.update(zip(dst.tolist(), src.tolist()))
+            return
+        device = self.layers[0].device
+        self._copy_tensors(torch.from_numpy(dst.astype(np.int64)).to(device),
+                           torch.from_numpy(src.astype(np.int64)).to(device))
+
     def _copy_indexed(self, dst: list[int], src: list[int]) -> None:
         device = self.layers[0].device
-        dst_t = torch.tensor(dst, dtype=torch.long, device=device)
-        src_t = torch.tensor(src, dtype=torch.long, device=device)
+        self._copy_tensors(torch.tensor(dst, dtype=torch.long, device=device),
+                           torch.tensor(src, dtype=torch.long, device=device))
+
+    def _copy_tensors(self, dst_t: torch.Tensor, src_t: torch.Tensor) -> None:
         for layer in self.layers:  # index_copy_ of a gathered copy: a third of `layer[:, dst] = layer[:, src]`'s time
             layer.index_copy_(1, dst_t, layer.index_select(1, src_t))
 

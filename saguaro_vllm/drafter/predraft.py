@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from itertools import groupby
+from operator import attrgetter
 
 import torch
 
@@ -95,13 +97,17 @@ class PreDrafter:
                     trace.forward(rows, rows, seconds)
                 yield
         finally:
-            if run is not None:
-                for branch in run.finish():
-                    sent = self._sent.get(branch.req_id)
-                    if branch.tokens and sent is not None:
-                        self.cache.put(branch, sent.round_id)
-                    else:
-                        self._release(branch.seq_id)
+            if run is not None:  # per request: its branches (contiguous) into the cache at once
+                for req_id, branches in groupby(run.finish(), attrgetter("req_id")):
+                    sent = self._sent.get(req_id)
+                    branches = list(branches)
+                    kept = [b for b in branches if b.tokens] if sent is not None else []
+                    if kept:
+                        self.cache.put_many(req_id, kept, sent.round_id)
+                    if len(kept) < len(branches):
+                        has = self.runner.has_request
+                        self.runner.free_many([b.seq_id for b in branches
+                                               if (not b.tokens or sent is None) and has(b.seq_id)])
             stats.predraft_s = time.perf_counter() - t0
             if self.trace is not None and self.trace.rec is not None and run is not None:
                 self.trace.rec.setdefault("pre", {}).update(steps_done=run.steps_done, dropped=run.dropped)

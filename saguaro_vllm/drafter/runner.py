@@ -7,6 +7,8 @@ decision: `reserve` each one first and leave out those that raise `OutOfBlocksEr
 A sequence can be forked (`fork`): the child shares the parent's first tokens of KV and is then extended
 with ordinary `forward` chunks, which is how SSD's pre-drafting branches are run; `adopt` makes a child
 the parent's continuation (a speculation-cache hit keeps the branch's KV instead of recomputing it).
+Many forks at once (a pre-draft's branches) are a `ForkGroup` (`fork_group`): rows of arrays, stepped by
+`forward_batch` and released in bulk, each fork becoming an ordinary sequence only where something needs one.
 
 Decode-shaped forwards (one token per chunk) take `StaticDecode` when it is on (`static_buckets`, or
 `cuda_graphs`): bucketed persistent buffers, a CUDA graph per bucket on CUDA (static_forward.py). Every
@@ -18,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, compress, groupby, repeat
 
 import numpy as np
 import torch
@@ -26,7 +28,7 @@ import torch
 from saguaro_vllm.drafter import vllm_attention
 from saguaro_vllm.drafter.attention import AttentionMetadata, reference_paged_attention
 from saguaro_vllm.drafter.block_rows import BlockRows
-from saguaro_vllm.drafter.kv_cache import BlockTable, KVCacheConfig, OutOfBlocksError, PagedKVCache
+from saguaro_vllm.drafter.kv_cache import BlockTable, ForkRows, KVCacheConfig, OutOfBlocksError, PagedKVCache
 from saguaro_vllm.drafter.model.llama import LlamaForCausalLM
 from saguaro_vllm.drafter.static_forward import BUCKETS, DEFAULT_MAX_LEN, StaticDecode
 from saguaro_vllm.ops import loader
@@ -64,6 +66,30 @@ class DecodeBatch:
         return len(self.reqs)
 
 
+class ForkGroup:
+    """Forks admitted together (a pre-draft's branches, `DraftModelRunner.fork_group`) as rows of arrays: per
+    fork its block-table row (int32, padded with 0: the parent's full prefix blocks, then its own, its partial
+    block's copy and its growth), number of blocks and tokens of KV computed. No runner
+    sequence per fork: 2048 forks at batch 64 x 32 branches cost ~5 us each as sequences. A fork id stays a
+    runner sequence id all the same; the runner makes it an ordinary sequence the first time something other
+    than `forward_batch`, `num_computed`, `has_request`, `adopt` or freeing needs one (`owned` is then False)."""
+
+    def __init__(self, ids: list[str], rows: ForkRows, positions: np.ndarray, block_size: int):
+        self.ids = ids
+        self.index = dict(zip(ids, range(len(ids))))  # fork id -> row
+        self.admitted = rows.admitted  # per row, the index of its fork among those asked for
+        self.table = rows.table
+        self.num_blocks = rows.num_blocks
+        self.copied, self.grown = rows.copied, rows.grown
+        self.positions = positions  # tokens of KV computed
+        self.limits = rows.num_blocks * block_size  # positions below it are in the fork's own blocks
+        self.owned = np.ones(len(ids), dtype=bool)  # rows whose fork the group holds (not freed nor made a sequence)
+        self.num_owned = len(ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
 @dataclass(frozen=True)
 class _Piece:
     """The part `begin..end` of chunk `index` that one model pass processes."""
@@ -94,6 +120,7 @@ class DraftModelRunner:
         self.block_size = kv_cache_cfg.block_size
         self.max_tokens_per_seq = max_tokens_per_seq
         self._requests: dict[str, _Request] = {}
+        self._groups: list[ForkGroup] = []  # those holding forks: a fork id is in one `owned` row at most
         #: changes with every change of any sequence's blocks or computed tokens other than through a
         #: `DecodeBatch`'s own forwards (which keep the arrays of that batch up to date)
         self._epoch = 0
@@ -136,13 +163,17 @@ class DraftModelRunner:
 
     # ---- request state -------------------------------------------------------------------------
     def add_request(self, req_id: str) -> None:
-        if req_id in self._requests:
+        if self.has_request(req_id):
             raise ValueError(f"request {req_id!r} is already known to the draft runner")
         self._requests[req_id] = _Request(self.kv_cache.new_block_table(), self._rows.acquire())
 
     def free_request(self, req_id: str) -> None:
         """Forget the request and let go of all its blocks (on finish or preemption; also for forks)."""
-        req = self._get(req_id)
+        if req_id not in self._requests:
+            g, i = self._fork_of(req_id)
+            self._release_rows(g, np.array([i]))
+            return
+        req = self._requests[req_id]
         self._epoch += 1
         req.block_table.shrink(0)
         self._rows.release(req.row)
@@ -150,10 +181,26 @@ class DraftModelRunner:
 
     def free_many(self, req_ids: Sequence[str]) -> None:
         """`free_request` of each (all known, none twice), in order: the same free list, block for block;
-        the blocks checked and let go in one pass, the block-table rows cleared together."""
+        sequences' blocks checked and let go in one pass, their block-table rows cleared together, a fork
+        group's forks released from its arrays (`BlockAllocator.free_rows`) without becoming sequences."""
         if len(set(req_ids)) != len(req_ids):
             raise ValueError("a request appears twice among those to free")
-        reqs = [self._get(r) for r in req_ids]
+        requests = self._requests
+        if self._groups and requests.keys().isdisjoint(req_ids):  # the usual garbage: one group's forks
+            g = self._groups[-1]
+            rows = np.fromiter(map(g.index.get, req_ids, repeat(-1)), dtype=np.int64, count=len(req_ids))
+            if (rows >= 0).all() and g.owned[rows].all():
+                self._release_rows(g, rows)
+                return
+        runs = [(holder, list(ids)) for holder, ids in groupby(req_ids, self._holder)]  # all checked first
+        for holder, ids in runs:
+            if holder is None:
+                self._free_requests(ids)
+            else:
+                self._release_rows(holder, np.array([holder.index[s] for s in ids], dtype=np.int64))
+
+    def _free_requests(self, req_ids: list[str]) -> None:
+        reqs = [self._requests[r] for r in req_ids]
         self._epoch += 1
         self.kv_cache.allocator.free_many([r.block_table.blocks for r in reqs])
         for r in reqs:
@@ -163,11 +210,27 @@ class DraftModelRunner:
         for req_id in req_ids:
             del requests[req_id]
 
+    def held(self, seq_ids: Sequence[str]) -> list[str]:
+        """Those of `seq_ids` the runner holds (sequences or group forks), in order: `has_request` of each, in
+        set operations (a round's 2048 released branches)."""
+        wanted = set(seq_ids)
+        found = self._requests.keys() & wanted
+        for g in self._groups:
+            common = list(g.index.keys() & wanted)
+            if common:
+                rows = np.fromiter(map(g.index.__getitem__, common), dtype=np.int64, count=len(common))
+                found.update(compress(common, g.owned[rows].tolist()))
+        return list(filter(found.__contains__, seq_ids))
+
     def has_request(self, req_id: str) -> bool:
-        return req_id in self._requests
+        return req_id in self._requests or self._find(req_id) is not None
 
     def num_computed(self, req_id: str) -> int:
-        return self._get(req_id).num_computed
+        req = self._requests.get(req_id)
+        if req is not None:
+            return req.num_computed
+        g, i = self._fork_of(req_id)
+        return int(g.positions[i])
 
     def truncate(self, req_id: str, num_tokens: int) -> None:
         """Keep only the first `num_tokens` tokens of KV (e.g. rejected drafts); frees unused blocks."""
@@ -197,7 +260,7 @@ class DraftModelRunner:
         nothing, if there is none). Either side can then be extended, truncated or freed independently.
         """
         parent = self._get(parent_id)
-        if child_id in self._requests:
+        if self.has_request(child_id):
             raise ValueError(f"request {child_id!r} is already known to the draft runner")
         if not 0 <= num_tokens <= parent.num_computed:
             raise ValueError(f"request {parent_id!r}: cannot fork {num_tokens} tokens, "
@@ -217,7 +280,7 @@ class DraftModelRunner:
         parents = [known[f[0]] for f in forks]
         children = set()
         for (parent_id, child_id, n, m), parent in zip(forks, parents, strict=True):
-            if child_id in self._requests or child_id in children:
+            if child_id in children or self.has_request(child_id):
                 raise ValueError(f"request {child_id!r} is already known to the draft runner")
             children.add(child_id)
             if not 0 <= n <= parent.num_computed:
@@ -234,12 +297,55 @@ class DraftModelRunner:
                 requests[child_id] = _Request(table, acquire(), n)
         return [None if table is None else (copied, grown) for table, copied, grown in tables]
 
+    def fork_group(self, parent_ids: Sequence[str], child_ids: Sequence[str], parent_of: np.ndarray,
+                   num_tokens: np.ndarray, new_tokens: np.ndarray) -> ForkGroup:
+        """`fork_many` of the forks `(parent_ids[parent_of[i]], child_ids[i], num_tokens[i], new_tokens[i])`, in
+        order (priority: a fork that does not fit is left out, a later smaller one may still fit), as one
+        `ForkGroup` of those admitted (`ForkGroup.admitted`): the same blocks, free list and reference counts,
+        with no Python per fork beyond its id. Checks every fork first: ValueError changes nothing."""
+        parents = [self._get(p) for p in parent_ids]
+        parent_of = np.asarray(parent_of, dtype=np.int64)
+        num_tokens = np.asarray(num_tokens, dtype=np.int64)
+        new_tokens = np.asarray(new_tokens, dtype=np.int64)
+        wanted = set(child_ids)
+        if len(wanted) != len(child_ids):
+            raise ValueError("a fork id appears twice in one fork group")
+        clash = next(iter(self._requests.keys() & wanted), None)  # (set operations: C speed for 2048 ids)
+        for g in self._groups:
+            if clash is None:
+                clash = next((s for s in g.index.keys() & wanted if g.owned[g.index[s]]), None)
+        if clash is not None:
+            raise ValueError(f"request {clash!r} is already known to the draft runner")
+        computed = np.array([p.num_computed for p in parents], dtype=np.int64)
+        bad = np.flatnonzero((num_tokens < 0) | (num_tokens > computed[parent_of]) | (new_tokens < 0))
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"request {parent_ids[parent_of[i]]!r}: cannot fork {num_tokens[i]} tokens and reserve "
+                             f"{new_tokens[i]}, {computed[parent_of[i]]} are computed")
+        self._epoch += 1
+        rows = self.kv_cache.fork_rows([p.block_table.blocks for p in parents], parent_of, num_tokens, new_tokens)
+        admitted = rows.admitted
+        ids = list(child_ids) if len(admitted) == len(child_ids) else [child_ids[i] for i in admitted.tolist()]
+        group = ForkGroup(ids, rows, num_tokens[admitted], self.block_size)
+        if len(group):
+            self._groups.append(group)
+        return group
+
     def adopt(self, child_id: str, parent_id: str) -> None:
         """Make `child_id`'s sequence the sequence of `parent_id` and forget `child_id`; the parent's old
         blocks are let go (those the child or other forks still share stay)."""
-        child, parent = self._get(child_id), self._get(parent_id)
         if child_id == parent_id:
             raise ValueError(f"request {child_id!r} cannot adopt itself")
+        if child_id not in self._requests:  # a group's fork: its row becomes the parent's state, in place
+            g, i = self._fork_of(child_id)
+            parent = self._get(parent_id)
+            self._epoch += 1
+            parent.block_table.shrink(0)
+            parent.block_table.blocks = g.table[i, : g.num_blocks[i]].tolist()
+            parent.num_computed = int(g.positions[i])
+            self._disown(g, i)
+            return
+        child, parent = self._get(child_id), self._get(parent_id)
         self._epoch += 1
         parent.block_table.shrink(0)
         self._rows.release(parent.row)
@@ -309,11 +415,15 @@ class DraftModelRunner:
         return DecodeBatch(seq_ids, [self._get(s) for s in seq_ids])
 
     @torch.inference_mode()
-    def forward_batch(self, batch: DecodeBatch, tokens: np.ndarray, live: np.ndarray | None = None) -> torch.Tensor:
+    def forward_batch(self, batch: DecodeBatch | ForkGroup, tokens: np.ndarray,
+                      live: np.ndarray | None = None) -> torch.Tensor:
         """One token for each sequence of `batch` (or of those at the indices `live`, in that order):
         `tokens[i]` for the i-th of them. The same KV, fp32 logits `[rows, vocab]` and bookkeeping as
         `forward` with the chunks `(seq_id, [token], num_computed)`, which it runs instead where a row would
-        need a new block or write a shared one; otherwise without Python per row."""
+        need a new block or write a shared one (or, in a `ForkGroup`, is no longer the group's); otherwise
+        without Python per row."""
+        if isinstance(batch, ForkGroup):
+            return self._forward_group(batch, tokens, live)
         if batch.epoch != self._epoch:
             self._refresh(batch)
         idx = slice(None) if live is None else live
@@ -330,7 +440,7 @@ class DraftModelRunner:
         if static is not None and static.fits(n, int(positions.max())):
             logits = static.run(tokens, positions, rows, self._rows.array)
         else:
-            logits = self._run_decode(rows, positions, tokens)
+            logits = self._run_decode(self._rows.array, rows, positions, tokens)
         batch.positions[idx] += 1
         for req in batch.reqs if live is None else [batch.reqs[i] for i in live]:
             req.num_computed += 1
@@ -360,8 +470,33 @@ class DraftModelRunner:
         batch.limits[:] = limits
         batch.epoch = self._epoch
 
-    def _run_decode(self, rows: np.ndarray, positions: np.ndarray, tokens) -> torch.Tensor:
-        """`_run` for one token per row (`rows`: BlockRows rows, up to date), every row's logits."""
+    def _forward_group(self, group: ForkGroup, tokens: np.ndarray, live: np.ndarray | None) -> torch.Tensor:
+        """`forward_batch` of a fork group: its table rows and positions as they are."""
+        live = None if live is None else np.asarray(live, dtype=np.int64)
+        idx = slice(None) if live is None else live
+        positions = group.positions[idx]
+        n = len(positions)
+        if n == 0:
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        if not ((positions < group.limits[idx]).all() and group.owned[idx].all()):
+            ids = group.ids if live is None else [group.ids[i] for i in live.tolist()]
+            for s, owned in zip(ids, group.owned[idx].tolist(), strict=True):
+                if not owned and s not in self._requests:
+                    raise ValueError(f"sequence {s!r} of a fork group was freed or adopted")
+            return self.forward([(s, [t], self.num_computed(s)) for s, t in zip(ids, np.asarray(tokens).tolist(),
+                                                                                strict=True)])
+        rows = np.arange(n) if live is None else live
+        static = self.static
+        if static is not None and static.fits(n, int(positions.max())):
+            logits = static.run(tokens, positions, rows, group.table)
+        else:
+            logits = self._run_decode(group.table, rows, positions, tokens)
+        group.positions[idx] += 1
+        return logits
+
+    def _run_decode(self, tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, tokens) -> torch.Tensor:
+        """`_run` for one token per row (`rows`: rows of `tables`, BlockRows' up to date or a fork group's),
+        every row's logits."""
         n, bs = len(rows), self.block_size
         ints = np.empty(2 * n + 1, dtype=np.int32)  # query_start_loc, then seq_lens: one host-to-device copy
         query_start, seq_lens = ints[: n + 1], ints[n + 1 :]
@@ -369,7 +504,7 @@ class DraftModelRunner:
         np.add(positions, 1, out=seq_lens)
         seq_lens_cpu = seq_lens.tolist()
         max_seq_len = max(seq_lens_cpu)
-        table = self._rows.array[rows, : -(-max_seq_len // bs)]
+        table = tables[rows, : -(-max_seq_len // bs)]
         longs = np.empty(3 * n, dtype=np.int64)  # ids, positions, slots
         longs[:n] = tokens
         longs[n : 2 * n] = positions
@@ -459,10 +594,58 @@ class DraftModelRunner:
 
     # ---- helpers -------------------------------------------------------------------------------
     def _get(self, req_id: str) -> _Request:
-        try:
-            return self._requests[req_id]
-        except KeyError:
-            raise KeyError(f"request {req_id!r} is unknown to the draft runner (add_request first)") from None
+        """The request's state; a group's fork becomes an ordinary sequence here (its blocks' references
+        then belong to its table)."""
+        req = self._requests.get(req_id)
+        if req is not None:
+            return req
+        g, i = self._fork_of(req_id)
+        table = self.kv_cache.new_block_table()
+        table.blocks = g.table[i, : g.num_blocks[i]].tolist()
+        req = self._requests[req_id] = _Request(table, self._rows.acquire(), int(g.positions[i]))
+        self._epoch += 1
+        self._disown(g, i)
+        return req
+
+    def _find(self, seq_id: str) -> tuple[ForkGroup, int] | None:
+        """The group and row holding the fork `seq_id`, or None."""
+        for g in self._groups:
+            i = g.index.get(seq_id)
+            if i is not None and g.owned[i]:
+                return g, i
+        return None
+
+    def _fork_of(self, seq_id: str) -> tuple[ForkGroup, int]:
+        found = self._find(seq_id)
+        if found is None:
+            raise KeyError(f"request {seq_id!r} is unknown to the draft runner (add_request first; a fork is "
+                           "unknown once freed or adopted)")
+        return found
+
+    def _holder(self, seq_id: str) -> ForkGroup | None:
+        """None for a sequence, the group for a group's fork; KeyError if neither."""
+        return None if seq_id in self._requests else self._fork_of(seq_id)[0]
+
+    def _disown(self, g: ForkGroup, i: int) -> None:
+        g.owned[i] = False
+        g.num_owned -= 1
+        if not g.num_owned:
+            self._groups.remove(g)
+
+    def _release_rows(self, g: ForkGroup, rows: np.ndarray) -> None:
+        """Let go of the group's forks at `rows` (owned, each once), in order: their own blocks freed, their
+        prefix references dropped, all at once (`BlockAllocator.free_rows`)."""
+        self._epoch += 1
+        alloc = self.kv_cache.allocator
+        if len(rows) < 32:  # a few (a batch of 1): row by row costs less than the arrays' fixed costs
+            for table, n in zip(g.table[rows].tolist(), g.num_blocks[rows].tolist(), strict=True):
+                alloc.free(table[:n])
+        else:
+            alloc.free_rows(g.table[rows], g.num_blocks[rows])
+        g.owned[rows] = False
+        g.num_owned -= len(rows)
+        if not g.num_owned:
+            self._groups.remove(g)
 
     def _validate(self, chunks: Sequence[Chunk], num_logits: list[int]) -> list[_Request]:
         """The chunks' requests, after checking the chunks against them."""

@@ -148,8 +148,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         if self._garbage_rounds:
             rounds, self._garbage_rounds = self._garbage_rounds, []
             garbage += [b.seq_id for branches in rounds for b in branches]
-        has = self.runner.has_request
-        self.runner.free_many([s for s in dict.fromkeys(garbage) if has(s)])  # in order, each once
+        self.runner.free_many(self.runner.held(list(dict.fromkeys(garbage))))  # in order, each once
 
     def free(self, req_id: str) -> None:
         self.cache.drop(req_id)

@@ -118,7 +118,7 @@ class StaticDecode:
         inputs[0, :n] = token_ids
         inputs[1, :n] = positions
         inputs[:, n:b] = 0
-        w = min(self.width, tables.shape[1], -(-(max(positions) + 1) // self.block_size))
+        w = min(self.width, tables.shape[1], -(-(int(np.max(positions)) + 1) // self.block_size))
         table[:n, :w] = tables[table_rows, :w]  # columns past w: stale block ids, never read (past the lengths)
         table[n:b, 0] = self.scratch_block
         if self._inputs is not self._host_inputs:
