@@ -107,7 +107,7 @@ def host_overheads() -> dict[str, tuple[float, str]]:
     b_hi = max(answers)
     ans_row = (answers[b_hi] - answers[1]) / (b_hi - 1)
     src = (f"measured on this machine ({path.name}: compute-free draft, "
-           + ("its branch steps' time outside the model's kernels" if any("branch_step_host_ms" in r for r in rows)
+           + ("host time outside the model's kernels" if any("branch_step_host_ms" in r for r in rows)
               else "host time and the CPU's run of its tiny kernels") + ")")
     tpath = newest("*transport-real-vocab*.json")
     sync = {r["batch"]: r["propose_cpu_ms"] / 1e3 for r in json.loads(tpath.read_text())["results"]

@@ -674,6 +674,7 @@ def host_overhead_section(results: list[dict]) -> list[str]:
         m = data["machine"]
         out += [f"### {data['label']} ({data['_file']}, {data['date'][:16]} UTC, commit {data['commit']}; "
                 f"{m['cpu']}, {m['cpus']} cores)", "", f"- command: `{data['command']}`"
+                + (f"; {data['tree_note']}" if data.get("tree_note") else "")
                 + (f"; load average {data['load_avg']['start'][0]:.2f} at the start, {data['load_avg']['end'][0]:.2f} "
                    "at the end" if data.get("load_avg") else ""), "",
                 "| T | vocab | batch | budget | tree | answer ms (all hit) | glue ms (host) | branch step ms (host) "
