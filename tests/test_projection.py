@@ -13,6 +13,7 @@ import torch
 from saguaro_vllm.tools.cli import main as cli_main
 from saguaro_vllm.drafter.kv_cache import KVCacheConfig
 from saguaro_vllm.drafter.model.loader import load_draft_model
+from saguaro_vllm.drafter.round_planner import RoundPlanner
 from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.ssd_drafter import SSDDrafter
 from saguaro_vllm.drafter.sync_drafter import SyncDrafter
@@ -133,6 +134,33 @@ def test_replay_under_the_live_timings_gives_the_live_hits(ssd_trace):
     plans = [s["plan"] for s in result.per_step if s["plan"]]
     live_plans = [s["pre"]["plan"] + [s["pre"]["pays"]] for s in steps if "plan" in s.get("pre", {})]
     assert plans == live_plans
+
+
+def test_replay_measures_the_fanouts_coverage_as_the_live_run(draft_model, tmp_path, monkeypatch):
+    """The branch-hit floor's parts (the share of planned rounds' outcomes within their planned fan-out,
+    counted whether the branch steps ran or were skipped, and the share of covered outcomes that hit where
+    they ran) come out of the replay as the live drafter measured them. Every third round skips its branch
+    steps (the same rule in the live run and the replay, so that both kinds of round occur whatever this
+    machine's timings), and the run has outcomes both within and outside the fan-out."""
+    def every_third_skips(self, plan, batch, k):
+        self.pay_calls = getattr(self, "pay_calls", 0) + 1
+        return self.pay_calls % 3 != 0
+
+    monkeypatch.setattr(RoundPlanner, "branches_pay_off", every_third_skips)
+    runner = DraftModelRunner(draft_model, KVCacheConfig(num_blocks=256, block_size=16))
+    drafter = SSDDrafter(runner, vocab_size=draft_model.config.vocab_size, options={})
+    path = tmp_path / "skips.jsonl.gz"
+    statuses = record_run(draft_model, drafter, path, rounds=30)
+    header, steps = read_trace(path)
+    pays = [s["pre"]["pays"] for s in steps if "plan" in s.get("pre", {})]
+    assert pays.count(True) >= 5 and pays.count(False) >= 3, pays
+    replay = SSDReplay(header, steps, TraceClock(steps))
+    result = replay.run()
+    assert [s["status"] for s in result.per_step] == statuses
+    live, replayed = drafter.planner, replay.planner
+    assert live.coverage is not None and 0.05 < live.coverage < 0.95
+    assert replayed.coverage == pytest.approx(live.coverage) and replayed.completion == pytest.approx(live.completion)
+    assert replayed.branch_hit_floor() == pytest.approx(live.branch_hit_floor())
 
 
 def test_replay_under_a_cost_model_runs_the_policy(ssd_trace):

@@ -135,9 +135,10 @@ def test_a_shallow_depth_does_not_trap_itself():
 
 
 def test_branch_steps_follow_the_measured_hit_rate_and_probe_again():
-    """The plan models a high hit rate, but rounds that ran branch steps measured 0.05: at batch 32 with
-    jit-only backups the steps do not pay, and skipping them stops; every PROBE_EVERY-th round in a row
-    runs them anyway (so a changed workload is measured again)."""
+    """The plan models a high hit rate, but at batch 32 the rounds that ran branch steps hit 2 rows of 32
+    whose outcomes their fan-out covered (the branches were missing at the lookup): with jit-only backups
+    the steps do not pay, and skipping them stops; every PROBE_EVERY-th round in a row runs them anyway (so
+    a changed workload is measured again)."""
     from saguaro_vllm.drafter.round_planner import PROBE_EVERY
 
     planner = RoundPlanner({"backup": "jit"})
@@ -146,9 +147,14 @@ def test_branch_steps_follow_the_measured_hit_rate_and_probe_again():
     _measured(planner, verify_s=0.3, late_s=0.04)
     plan = PreDraftPlan(4, 5, hit_rate=0.95)
     assert planner.branches_pay_off(plan, 32, 5)  # nothing measured with branches yet: the model decides
-    planner.end_step(0.05, 192, hits=2, looked_up=32, jit=True, all_hit=False, ran_branches=True)
-    planner.end_step(0.05, 192, hits=30, looked_up=32, jit=True, all_hit=False, ran_branches=False)
-    assert planner.branch_hit_rate == pytest.approx(2 / 32)  # steps without branches do not count
+    planner.end_step(0.05, 192, hits=2, looked_up=32, jit=True, all_hit=False, ran_branches=True, planned=32,
+                     covered=32)
+    # a round that skipped its branch steps hit nothing, but says its outcomes were covered: not a completion
+    planner.end_step(0.05, 192, hits=0, looked_up=32, jit=True, all_hit=False, ran_branches=False, planned=32,
+                     covered=30)
+    assert planner.completion == pytest.approx(3 / 33)
+    assert planner.coverage == pytest.approx((0.9 * 32 + 30 + 1) / (0.9 * 32 + 32 + 2))
+    assert planner.branch_hit_floor() == pytest.approx(planner.coverage * 3 / 33)
     decisions = [planner.branches_pay_off(plan, 32, 5) for _ in range(2 * PROBE_EVERY)]
     assert decisions.count(True) == 2 and decisions[PROBE_EVERY - 1] and decisions[-1]
 
@@ -186,16 +192,46 @@ def test_a_few_missed_rounds_at_batch_1_do_not_switch_the_branch_steps_off():
     """A round of one row that missed is weak evidence: at batch 1 the first round after a new request
     missed, the measured hit rate read 0, and under GPU costs (lateness 50 us against a 5 ms jit draft) the
     branch steps were skipped 15 rounds of 16 (projection of 2026-12-06: at T=1 in 60 of 96 rounds, hit rate
-    0.09). Laplace's rule keeps several misses from reading as "never": here 8 misses in a row."""
+    0.09). Laplace's rule keeps several misses from reading as "never": here 8 outcomes in a row outside the
+    fan-out."""
     from saguaro_vllm.drafter.round_planner import PROBE_EVERY
 
     planner = RoundPlanner({})
     _gpu_like(planner)
     plan = planner.plan(1, 5)
     for _ in range(8):
-        planner.end_step(0.005, 6, hits=0, looked_up=1, jit=True, all_hit=False, ran_branches=True)
-    assert planner.branch_hit_rate == 0.0 and 0.1 < planner.branch_hit_floor() < 0.2
+        planner.end_step(0.005, 6, hits=0, looked_up=1, jit=True, all_hit=False, ran_branches=True, planned=1)
+    assert planner.completion == 1.0 and 0.1 < planner.branch_hit_floor() < 0.2
     assert all(planner.branches_pay_off(plan, 1, 5) for _ in range(PROBE_EVERY))
+
+
+def test_outcomes_covered_while_the_branch_steps_were_skipped_switch_them_back_on():
+    """The floor's coverage counts every planned round, its branch steps run or skipped. Measured on the demo
+    pair, batch 1, T=1 (2026-12-06): the first five branched rounds missed (bonus tokens ranked >= 64), the
+    floor of branched rounds alone read 1/7, the steps ran in probe rounds only (15 of 81), and outcomes of
+    rank 0-3 that the planned fan-out covered in the skipped rounds were never branched for (hit rate 0.00).
+    Here the skipped rounds' covered outcomes raise the floor, and the steps run again before any probe."""
+    from saguaro_vllm.drafter.round_planner import PROBE_EVERY
+
+    planner = RoundPlanner({})
+    for rows in (1, 6, 12, 24, 48, 96):  # a jit draft costs little against the verification: a close call
+        planner.record_forward(rows, 0.004 + 2e-5 * rows)
+    _measured(planner, verify_s=0.0185, late_s=0.006)  # the steps pay from a hit rate of ~0.3 on
+    plan = PreDraftPlan(24, 5, hit_rate=0.5)
+    for _ in range(5):
+        planner.end_step(0.02, 6, hits=0, looked_up=1, jit=True, all_hit=False, ran_branches=True, planned=1)
+    assert not planner.branches_pay_off(plan, 1, 5)
+    decisions = []
+    for _ in range(PROBE_EVERY - 2):
+        planner.end_step(0.02, 6, hits=0, looked_up=1, jit=True, all_hit=False, ran_branches=False, planned=1,
+                         covered=1)
+        decisions.append(planner.branches_pay_off(plan, 1, 5))
+    assert planner.completion == 1.0 and planner.coverage > 0.6
+    assert any(decisions) and decisions[-1]
+    # a row whose round reached no plan (the request came before the glue forward) says nothing either way
+    floor = planner.branch_hit_floor()
+    planner.end_step(0.02, 6, hits=0, looked_up=1, jit=True, all_hit=False, ran_branches=False)
+    assert planner.branch_hit_floor() == floor
 
 
 def test_a_miss_at_batch_1_is_weighed_against_the_long_run_rate():

@@ -19,10 +19,10 @@ from saguaro_vllm.drafter.predictor import MAX_RANK, candidates_from, top_tokens
 from saguaro_vllm.drafter.trace import BRANCH, GLUE
 
 
-def _ranked(top: list[list[int]], drafts) -> list[list[int]]:
-    """Per depth j, the MAX_RANK best tokens of its bonus distribution (`top[j]`, best first), x_{j+1}
+def _ranked(top: list[list[int]], drafts, width: int) -> list[list[int]]:
+    """Per depth j, the `width` best tokens of its bonus distribution (`top[j]`, best first), x_{j+1}
     excluded for j < K."""
-    return [[t for t in row if j >= len(drafts) or t != drafts[j]][:MAX_RANK] for j, row in enumerate(top)]
+    return [[t for t in row if j >= len(drafts) or t != drafts[j]][:width] for j, row in enumerate(top)]
 
 
 class PreDrafter:
@@ -51,23 +51,25 @@ class PreDrafter:
             plan = self.planner.plan(len(roots), k)
             stats.budget, stats.plan_steps = plan.branches, plan.steps
             pays = self.planner.branches_pay_off(plan, len(roots), k)
-            fans = []
-            if pays:  # one fan-out per kind of round (draft count, n-gram or not, temperature), not per row:
-                by_kind: dict[tuple, list[int]] = {}  # the calibrated allocation is ~0.1 ms each
-                for r in roots:
-                    sent = self._sent[r.req_id]
-                    kind = (len(sent.drafts), sent.fast, self.reqs[r.req_id].sampling.temperature)
-                    if kind not in by_kind:
-                        by_kind[kind] = self.planner.fanout_for(kind[0], kind[1], plan.branches, kind[2])
-                    fans.append(by_kind[kind])
+            # one fan-out per kind of round (draft count, n-gram or not, temperature), not per row (the
+            # calibrated allocation is ~0.1 ms each); planned whether or not the branch steps run: whether
+            # each outcome lies within its fan-out is the planner's `coverage`, measured in every round
+            fans, by_kind = [], {}
+            for r in roots:
+                sent = self._sent[r.req_id]
+                kind = (len(sent.drafts), sent.fast, self.reqs[r.req_id].sampling.temperature)
+                if kind not in by_kind:
+                    by_kind[kind] = self.planner.fanout_for(kind[0], kind[1], plan.branches, kind[2])
+                fans.append(by_kind[kind])
             # every root's best tokens per depth in one selection (ranks, and the candidates if branching)
-            widest = max((max(f, default=0) for f in fans), default=0)
-            top = top_tokens(torch.cat(scores), max(MAX_RANK, widest) + 1)
+            width = max(MAX_RANK, max((max(f, default=0) for f in fans), default=0))
+            top = top_tokens(torch.cat(scores), width + 1)
             offset, tops = 0, []
-            for root in roots:
+            for root, fan in zip(roots, fans, strict=True):
                 tops.append(top[offset: offset + root.k + 1])
                 offset += root.k + 1
-                self._sent[root.req_id].ranked = _ranked(tops[-1], root.drafts)
+                sent = self._sent[root.req_id]
+                sent.ranked, sent.fan = _ranked(tops[-1], root.drafts, width), fan
             if trace is not None and trace.rec is not None:
                 pre = trace.rec.setdefault("pre", {})
                 pre.update(plan=[plan.branches, plan.steps], pays=pays, k=k, batch=len(roots))

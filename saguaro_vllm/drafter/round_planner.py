@@ -89,10 +89,14 @@ class RoundPlanner:
         self._round_late_s = 0.0  # the last round's lateness (part of its step's period)
         self.last_answer_s = 0.0
         self.hit_rate: float | None = None  # smoothed share of looked-up rows that hit
-        #: hits and lookups (rows, decayed per round) of steps whose round ran branch steps: what running
-        #: them actually yields (`branch_hit_rate`, `branch_hit_floor`)
-        self._branch_hits = 0.0
-        self._branch_lookups = 0.0
+        #: the two parts of `branch_hit_floor`, as decayed row counts: of the looked-up rows whose round
+        #: reached its plan, those whose outcome lay within the planned fan-out (`coverage`, every such
+        #: round, its branch steps run or skipped); of the covered rows of rounds that ran branch steps,
+        #: those that hit (`completion`)
+        self._planned = 0.0
+        self._covered = 0.0
+        self._done_covered = 0.0
+        self._done_hits = 0.0
         self._skipped_in_a_row = 0
         self.sent_tokens = 0  # tokens the last answer sent for verification (rows + drafts)
         #: `depth: "auto"`: the online depth choice (made on the first step, when K is known) and this
@@ -153,35 +157,51 @@ class RoundPlanner:
             self.rate = self._rate_sums[0] / self._rate_sums[1]
 
     def end_step(self, answer_s: float, sent_tokens: int, hits: int, looked_up: int, jit: bool,
-                 all_hit: bool, ran_branches: bool = False) -> None:
-        """What the answer just built took and sent: answer time (per kind), tokens to verify, hit rate
-        (also kept apart for steps whose round ran branch steps, `ran_branches`)."""
+                 all_hit: bool, ran_branches: bool = False, planned: int = 0, covered: int = 0) -> None:
+        """What the answer just built took and sent: answer time (per kind), tokens to verify, hit rate;
+        for `branch_hit_floor`, the looked-up rows whose round reached its plan (`planned`), those of them
+        whose outcome lay within the planned fan-out (`covered`, hits included) and whether that round ran
+        its branch steps (`ran_branches`)."""
         self.last_answer_s = answer_s
         self.sent_tokens = sent_tokens
         if looked_up:
             self.hit_rate = smooth(self.hit_rate, hits / looked_up)
-            if ran_branches:
-                self._branch_hits = BRANCH_HIT_DECAY * self._branch_hits + hits
-                self._branch_lookups = BRANCH_HIT_DECAY * self._branch_lookups + looked_up
+        if planned:
+            self._planned = BRANCH_HIT_DECAY * self._planned + planned
+            self._covered = BRANCH_HIT_DECAY * self._covered + covered
+        if ran_branches and covered:
+            self._done_covered = BRANCH_HIT_DECAY * self._done_covered + covered
+            self._done_hits = BRANCH_HIT_DECAY * self._done_hits + hits
         if jit:
             self.answer_s["miss"] = smooth(self.answer_s["miss"], answer_s)
         elif all_hit:
             self.answer_s["hit"] = smooth(self.answer_s["hit"], answer_s)
 
     @property
-    def branch_hit_rate(self) -> float | None:
-        """The hit rate measured over steps whose round ran branch steps (None before any)."""
-        return self._branch_hits / self._branch_lookups if self._branch_lookups else None
+    def coverage(self) -> float | None:
+        """Share of planned rounds' outcomes within their planned fan-out, by Laplace's rule (one covered and
+        one not added to the decayed counts; None before any)."""
+        return (self._covered + 1.0) / (self._planned + 2.0) if self._planned else None
+
+    @property
+    def completion(self) -> float:
+        """Share of covered outcomes that hit where the branch steps ran (their branch existed at the
+        lookup: not cut short before it was forked, not dropped for lack of KV blocks); one hit is added to
+        the decayed counts, so it starts at 1."""
+        return (self._done_hits + 1.0) / (self._done_covered + 1.0)
 
     def branch_hit_floor(self) -> float | None:
-        """What `branches_pay_off` takes of `branch_hit_rate`: Laplace's rule, one hit and one miss added to
-        the decayed row counts. A few misses are weak evidence where a round has one row: at batch 1 the
-        first round after a new request missed (its bonus not among 64 candidates), the plain rate read 0,
-        and under GPU costs (a branch step ~1 ms, the verification 18.5 ms, lateness ~0) the steps were
-        skipped for 15 rounds of every 16, probes included, at T=1 in 60 of 96 rounds. Where many rows
-        were measured (batch 32: 2 hits of 32) it is close to the plain rate."""
-        return (self._branch_hits + 1.0) / (self._branch_lookups + 2.0) if self._branch_lookups else None
-
+        """The hit rate the branch steps would yield, as measured: `coverage` x `completion` (None before
+        any planned round was looked up). Coverage counts every planned round, its branch steps run or
+        skipped, so the floor does not hang on the few rounds that ran them. Until 2026-12-06 it was the hit
+        rate of the rounds that ran branch steps only (Laplace's rule): at batch 1, T=1 on the demo pair the
+        first five branched rounds missed (their bonus tokens ranked >= 64), the floor read 1/7, the steps
+        then ran only in probe rounds (15 of 81), and rank-0/1/3 outcomes later were never branched for
+        (live hit rate 0.00, the replay of the same trace 0.12: a path the replay need not take). Where the
+        branch steps run but their branches are missing at the lookup (batch 32 on a CPU core: 2 hits of 32
+        against a modelled 0.95), completion carries it."""
+        coverage = self.coverage
+        return None if coverage is None else coverage * self.completion
     def miss_cost_s(self) -> float:
         """What a just-in-time miss adds to an answer (0 until both kinds of answer are measured)."""
         miss, hit = self.answer_s["miss"], self.answer_s["hit"]

@@ -28,7 +28,6 @@ import torch
 
 from saguaro_vllm.drafter.backup import draft_now_candidates, ngram_drafts
 from saguaro_vllm.drafter.branches import BranchRun
-from saguaro_vllm.drafter.predictor import MAX_RANK
 from saguaro_vllm.drafter.predraft import PreDrafter
 from saguaro_vllm.drafter.round_planner import RoundPlanner
 from saguaro_vllm.drafter.runner import DraftModelRunner
@@ -58,6 +57,9 @@ class _Sent:
     #: per depth, the best candidate tokens in order (x_{j+1} excluded): where the real bonus token
     #: ranks among them feeds the planner's `RankEstimate`
     ranked: list[list[int]] | None = None
+    #: the fan-out per depth the pre-draft planned for this round, its branch steps run or skipped: whether
+    #: the outcome lay within it feeds the planner's `coverage`
+    fan: list[int] | None = None
     #: drafts the next round wants (a round of zero drafts: how many steps its branches draft)
     want: int = 0
 
@@ -101,6 +103,8 @@ class _Answer:
     misses: list[int] = dataclasses.field(default_factory=list)
     topups: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, drafts to add): hits cut short
     fast: set[int] = dataclasses.field(default_factory=set)  # misses answered by the n-gram backup (or nothing)
+    planned: int = 0  # looked-up rows whose round reached its plan (a fan-out) ...
+    covered: int = 0  # ... and of them, those whose outcome lay within it (`RoundPlanner.coverage`)
     trace: dict[int, dict] = dataclasses.field(default_factory=dict)  # row -> its trace fields (tracing only)
 
     def __post_init__(self, n: int) -> None:
@@ -237,7 +241,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         answer_s = time.perf_counter() - t0
         self.planner.end_step(answer_s, sum(1 + len(d) for d in ans.drafts), looked_up.count(HIT),
                               len(looked_up), jit=bool(jit_rows), all_hit=not jit_rows and HIT in ans.status,
-                              ran_branches=ran_branches)
+                              ran_branches=ran_branches, planned=ans.planned, covered=ans.covered)
         if self.trace is not None:
             self._trace_answer(req, ans, answer_s)
         resp = StepResponse(req.step, ans.drafts, {}, time.perf_counter() - t0, ans.resync,
@@ -277,7 +281,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
             ans.status[i] = JIT  # a miss until proven otherwise; the backup kind is set later
             if outcome is not None:
                 ans.depth[i] = outcome.accepted
-                self._observe(st, sent, outcome, missed=branch is None, had_branches=had_branches)
+                self._observe(st, sent, outcome, missed=branch is None, had_branches=had_branches, ans=ans)
             if self.trace is not None:
                 ranked = self.trace.ranked.pop(row.req_id, None)
                 ans.trace[i] = {"a": outcome.accepted if outcome else -1, "t": outcome.bonus if outcome else -1,
@@ -322,18 +326,24 @@ class SSDDrafter(PreDrafter, SyncDrafter):
             return
         ans.misses.append(i)
 
-    def _observe(self, st: _ReqState, sent: _Sent, outcome, missed: bool, had_branches: bool) -> None:
+    def _observe(self, st: _ReqState, sent: _Sent, outcome, missed: bool, had_branches: bool,
+                 ans: _Answer) -> None:
         """A verified outcome of the drafts `sent`: acceptance (neural or n-gram), the bonus token's rank
-        among the candidates, and the C the drafts were sampled with."""
+        among the candidates, whether it lay within the planned fan-out, and the C the drafts were sampled
+        with."""
         if sent.drafts:  # a round of zero drafts says nothing of acceptance, only of the next token's rank
             self.predictor.observe(outcome.accepted, len(sent.drafts), fast_backup=sent.fast)
         if sent.fast:
             self.predictor.ngram_tokens.observe(outcome.accepted + 1)
             self.predictor.ngram_matched.observe(outcome.accepted + 1)
-        if sent.ranked is not None and not sent.fast:
+        if sent.ranked is not None:
             ranked = sent.ranked[outcome.accepted]
-            self.planner.observe_rank(st.sampling.temperature, outcome.accepted, len(sent.drafts),
-                                      ranked.index(outcome.bonus) if outcome.bonus in ranked else MAX_RANK)
+            rank = ranked.index(outcome.bonus) if outcome.bonus in ranked else len(ranked)
+            if not sent.fast:
+                self.planner.observe_rank(st.sampling.temperature, outcome.accepted, len(sent.drafts), rank)
+            if sent.fan is not None:  # (`ranked` holds at least the fan-out's width per depth)
+                ans.planned += 1
+                ans.covered += not missed or rank < sent.fan[outcome.accepted]
         if self.scale_choice is not None and sent.scale is not None and had_branches:
             self.scale_choice.observe(st.sampling.temperature, sent.scale, outcome.accepted + 1, missed=missed)
 

@@ -6,7 +6,7 @@ per-row backup choice `draft_now`, the depth choice) fed the replay's own times 
 and the online Saguaro C choice. What cannot depend on costs comes from the trace: each round's verification
 outcome (accepted count, bonus token) and where the bonus ranked among the predictor's candidates. A row
 hits when its round's branches, as this replay planned them, include the recorded outcome (its rank below
-the fan-out of its depth) and at least one branch step ran before the request arrived.
+the fan-out of its depth: covered) and at least one branch step ran before the request arrived.
 
 Two clocks:
 - `TraceClock`: every time as recorded (verification, lateness, each forward, answer). Under it the replay
@@ -45,7 +45,8 @@ class _Round:
     want: int = 0  # drafts the row wanted (a round of zero drafts: the steps its branches draft)
     temp: float = 0.0  # the request's temperature (its fan-out's calibrated statistics)
     planned: bool = False  # the pre-draft reached its plan (ranks are observed at the lookup)
-    fan: list[int] | None = None  # branches per depth, when the branch steps ran
+    fan: list[int] | None = None  # branches per depth as planned (the branch steps run or skipped)
+    branched: bool = False  # the branch steps ran
     steps_done: int = 0  # branch tokens drafted before the next request came
 
 
@@ -141,7 +142,7 @@ class SSDReplay:
         depth = self.planner.choose_depth(len(rows), max((r.get("nd", 0) for r in rows), default=0), verify_s)
         if self._counting:
             self.result.depths[depth or 0] += 1
-        status, served, misses, topups, tokens = self._lookups(rows)
+        status, served, misses, topups, tokens, planned, covered = self._lookups(rows)
         if verify_s > 0 and NEW not in status and rows:
             self.planner.measure_rate(sum(t for t, s in zip(tokens, status) if s in (HIT, JIT)), verify_s)
         jit_rows, topup_rows, fast = self._back_up(rows, status, served, misses, topups)
@@ -153,7 +154,8 @@ class SSDReplay:
         self._served = [len(d) for d in served]
         looked_up = [s for s in status if s in LOOKED_UP]
         self.planner.end_step(answer_s, sum(1 + d for d in self._served), looked_up.count(HIT), len(looked_up),
-                              jit=bool(jit_rows), all_hit=not jit_rows and HIT in status, ran_branches=ran_branches)
+                              jit=bool(jit_rows), all_hit=not jit_rows and HIT in status, ran_branches=ran_branches,
+                              planned=planned, covered=covered)
         roots = self._send_rounds(n, rows, status, fast)
         self.clock.next_request(len(rows), self._served)
         self._predraft(n, roots)
@@ -167,6 +169,7 @@ class SSDReplay:
 
     def _lookups(self, rows):
         status, served, misses, topups, tokens = [], [], [], [], []
+        planned = covered = 0
         for i, r in enumerate(rows):
             rnd = self.rounds.pop(r["id"], None)
             st, drafts = r["st"], 0
@@ -189,9 +192,13 @@ class SSDReplay:
                     self.planner.observe_rank(r.get("temp", 0.0), a, rnd.k, min(rank, MAX_RANK))
                 if self._counting:
                     self.result.lookups_by_depth[a] += 1
-            # rank WIDTH: not among the recorded candidates, so never a hit, whatever the fan-out
-            hit = a >= 0 and rnd.fan is not None and rnd.steps_done > 0 and 0 <= rank < min(rnd.fan[a], WIDTH)
-            if self.scale_choice is not None and r.get("scale") is not None and a >= 0 and rnd.fan:
+            # rank WIDTH: not among the recorded candidates, so never covered, whatever the fan-out
+            cover = a >= 0 and rnd.fan is not None and 0 <= rank < min(rnd.fan[a], WIDTH)
+            if a >= 0 and rnd.fan is not None:
+                planned += 1
+                covered += cover
+            hit = cover and rnd.branched and rnd.steps_done > 0
+            if self.scale_choice is not None and r.get("scale") is not None and a >= 0 and rnd.branched:
                 self.scale_choice.observe(r.get("temp", 0.0), r["scale"], a + 1, missed=not hit)
             if hit:
                 if self._counting:
@@ -206,7 +213,7 @@ class SSDReplay:
                 status.append(JIT)
                 misses.append(i)
             served[i] = [0] * drafts
-        return status, served, misses, topups, tokens
+        return status, served, misses, topups, tokens, planned, covered
 
     def _outcome(self, rnd: _Round, r: dict) -> tuple[int, int]:
         """The round's (accepted, rank): as recorded when the live run sent the same kind and number of
@@ -287,8 +294,10 @@ class SSDReplay:
         k = max(self.rounds[r].k or self.rounds[r].want for r in roots)  # zero drafts: what is wanted
         plan = self.planner.plan(len(roots), k)
         pays = self.planner.branches_pay_off(plan, len(roots), k)
-        for rid in roots:
-            self.rounds[rid].planned = True
+        for rid in roots:  # fan-outs planned whether or not the steps run (the planner's coverage), as live
+            rnd = self.rounds[rid]
+            rnd.planned = True
+            rnd.fan = self.planner.fanout_for(rnd.k, rnd.fast, plan.branches, rnd.temp)
         self._plan_log = [plan.branches, plan.steps, pays]
         if self._counting or n == self.count_from:
             self.result.budgets[plan.branches if pays else 0] += 1
@@ -298,7 +307,7 @@ class SSDReplay:
         rows = 0
         for rid in roots:
             rnd = self.rounds[rid]
-            rnd.fan = self.planner.fanout_for(rnd.k, rnd.fast, plan.branches, rnd.temp)
+            rnd.branched = True
             rows += sum(rnd.fan)
         self._predraft_plan = {"roots": roots, "steps": plan.steps, "rows": rows}
 
