@@ -3,7 +3,9 @@
 `TraceClock` answers with what the trace recorded (the live run's own cost model, to the microsecond);
 `ModelClock` computes every time from a `CostModel` on a virtual timeline: the answer is sent at 0, the
 pre-draft's forwards (glue, then the planned branch steps) run back to back, the next request arrives after
-the modelled verification, and a forward in flight when it arrives finishes first (the lateness).
+the modelled verification (times the model's `drafting_factor` in rounds whose branch steps run, where the
+drafter shares hardware with the target), and a forward in flight when it arrives finishes first (the
+lateness).
 """
 from __future__ import annotations
 
@@ -79,9 +81,13 @@ class ModelClock:
         return self._spread("draft_forward", self.cost.forward_s(tokens, logits))
 
     def round(self, n: int, plan: dict | None) -> tuple[float, float, dict]:
+        """The verification (longer by the cost model's `drafting_factor` where the branch steps run beside
+        it), the lateness, and the branch steps done before the request came."""
         t = self.glue_s
-        late = max(0.0, t - self.arrival)
         forwards: list[Forward] = []
+        if plan is not None and self.cost.drafting_factor is not None:
+            self.arrival *= self.cost.drafting_factor
+        late = max(0.0, t - self.arrival)
         if plan is not None:
             t += self.cost.overhead("predraft")
             while len(forwards) < plan["steps"] and (t < self.arrival or self.finish_predraft):

@@ -67,6 +67,10 @@ class CostModel:
     #: rows, 10.5 against 34.6 ms for the demo draft at 256 tokens, 2026-12-06): fixed per step (e.g. the
     #: branches' sampling) + per further branch row (`branch_step_s`); None: `draft` for every forward
     branch: StepCostModel | None = None
+    #: optional: factor on the target's verification while the drafter runs branch steps beside it (the two
+    #: share hardware: on the 2-core machine of 2026-12-06 evening SSD's verification took 132-152 ms at
+    #: batch 1 against `sync`'s 113-123 ms; a drafter on a device of its own: None, no factor)
+    drafting_factor: float | None = None
 
     def at_temperature(self, temperature: float) -> CostModel:
         """The model for a run at `temperature`: `verify` times the factors of the nearest measured temperature
@@ -132,7 +136,10 @@ class CostModel:
                                   "factors": [{"temperature": t, "batch": b, "factor": round(f, 4)}
                                               for t in sorted(self.temperature_factors)
                                               for b, f in sorted(self.temperature_factors[t].items())]}}
-                                 if self.temperature_factors else {})},
+                                 if self.temperature_factors else {}),
+                              **({"while_drafting": {"source": self.sources.get("target_verify.while_drafting", ""),
+                                                     "factor": round(self.drafting_factor, 4)}}
+                                 if self.drafting_factor is not None else {})},
             "draft_forward": {"source": self.sources.get("draft_forward", ""), "fixed_s": self.draft.fixed_s,
                               "per_token_s": self.draft.per_row_s, "per_logit_s": self.draft.per_logit_s},
             **({"branch_forward": {"source": self.sources.get("branch_forward", ""), "fixed_s": self.branch.fixed_s,
@@ -167,6 +174,13 @@ class CostModel:
             sources["target_verify.by_temperature"] = block["source"]
             for f in block["factors"]:
                 temperature_factors.setdefault(float(f["temperature"]), {})[int(f["batch"])] = float(f["factor"])
+        drafting_factor = None
+        if "while_drafting" in tv:
+            block = tv["while_drafting"]
+            if not block.get("source") or not float(block.get("factor", 0)) > 0:
+                raise ValueError("cost model: target_verify.while_drafting needs a factor > 0 and a source")
+            sources["target_verify.while_drafting"] = block["source"]
+            drafting_factor = float(block["factor"])
         overheads = {}
         for key, item in obj.get("overheads", {}).items():
             if key not in OVERHEADS:
@@ -188,7 +202,7 @@ class CostModel:
             sources["branch_forward"] = bf["source"]
             branch = StepCostModel(float(bf["fixed_s"]), float(bf["per_token_s"]), float(bf.get("per_logit_s", 0.0)))
         return cls(verify, draft, overheads, sources, obj.get("name", "cost model"), jitter, temperature_factors,
-                   branch)
+                   branch, drafting_factor)
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
@@ -212,14 +226,19 @@ def step_temperature(rows: list[dict]) -> float:
     return max((r.get("temp", 0.0) for r in rows), default=0.0)
 
 
-def verifications(steps: list[dict], with_temperature: bool = False) -> list[tuple]:
+def verifications(steps: list[dict], with_temperature: bool = False, drafting: bool | None = None) -> list[tuple]:
     """(batch, tokens per row sent, drafter-seen seconds[, the step's temperature]) of each traced verification
     that is a decode step of the target. A step with a `new` row is left out: its verify_s also holds that request's prompt
     prefill (0.86-0.93 s against 0.10-0.13 s for the decode steps of the 2026-12-06 demo-pair traces), which
     no verify curve or replay step models; until 2026-12-06 one such sample per trace raised the pooled
-    verification factor of the calibrated model by 9 % (0.630 -> 0.686) and a trace's own mean by 13 %."""
+    verification factor of the calibrated model by 9 % (0.630 -> 0.686) and a trace's own mean by 13 %.
+    `drafting`: only the verifications during which the drafter ran branch steps (True: the record's
+    `ran_branches`) or those during which it did not (False: every `sync` step); None: all."""
     out, prev = [], None
     for s in steps:
+        if drafting is not None and bool(s.get("ran_branches")) != drafting:
+            prev = s
+            continue
         if (prev is not None and s.get("verify_s", 0) > 0 and prev["rows"]
                 and not any(r.get("st") == "new" for r in s["rows"])):
             b = len(prev["rows"])
