@@ -441,11 +441,11 @@ def test_the_drafters_work_beside_the_verification_is_its_own_factor(tmp_path):
     """On a machine whose drafter shares hardware with the target (2026-12-06 evening, 2 cores: SSD's
     verification 132-152 ms at batch 1 while its branch steps ran, `sync`'s 113-123 ms), one factor per
     temperature and batch for both modes projected `sync` low and SSD high. The temperature factors come from
-    verifications without branch steps beside them; those with them give `drafting_factor` (each run
+    verifications without branch steps beside them; those with them give `drafting_factors` per batch (each run
     weighing the same), which the model keeps through its JSON and the replay's clock applies only to
     rounds whose branch steps run; the spread is taken over that model."""
     from saguaro_vllm.drafter.predictor import StepCostModel
-    from saguaro_vllm.projection.calibrate import drafting_factor, jitter_from_traces, temperature_factors
+    from saguaro_vllm.projection.calibrate import drafting_factors, jitter_from_traces, temperature_factors
 
     curve = {1: {6.0: 0.1}}
     sync = _write_trace(tmp_path / "sync.jsonl", _at_temperature(_timed_steps(10, 0.1, 0.01), 1.0))
@@ -461,9 +461,10 @@ def test_the_drafters_work_beside_the_verification_is_its_own_factor(tmp_path):
     assert factors == {1.0: {1: pytest.approx(1.0)}}  # not pulled up by the rounds with branch steps
     cost = CostModel(curve, StepCostModel(0.01, 0.0), {}, {"target_verify": "x", "draft_forward": "y"},
                      temperature_factors=factors)
-    assert drafting_factor(traces, cost) == pytest.approx(1.4)  # the runs' 1.3 and 1.5, each the same
-    assert drafting_factor(traces[:1], cost) is None  # no round of `sync` runs branch steps
-    cost.drafting_factor = 1.4
+    assert drafting_factors(traces, cost) == {1: pytest.approx(1.4)}  # the runs' 1.3 and 1.5, each the same
+    assert drafting_factors(traces[:1], cost) == {}  # no round of `sync` runs branch steps
+    cost.drafting_factors = {1: 1.4, 16: 1.0}
+    assert cost.drafting_factor(4) == pytest.approx(1.4 - 0.4 * 3 / 15) and cost.drafting_factor(64) == 1.0
     spread = jitter_from_traces(traces[:2], cost)["target_verify"]
     assert max(spread) / min(spread) == pytest.approx(1.4 / 1.3)  # 1.3 without the factor in the model
     with pytest.raises(ValueError):  # every number needs its source
@@ -471,7 +472,7 @@ def test_the_drafters_work_beside_the_verification_is_its_own_factor(tmp_path):
     cost.sources["target_verify.while_drafting"] = "measured"
     cost.sources["target_verify.by_temperature"] = "measured"
     again = CostModel.from_json(cost.to_json())
-    assert again.drafting_factor == pytest.approx(1.4)
+    assert again.drafting_factors == {1: pytest.approx(1.4), 16: pytest.approx(1.0)}
     clock = ModelClock(again.at_temperature(1.0))
     clock.next_request(1, [5])
     assert clock.round(1, None)[0] == pytest.approx(0.1)  # the branch steps skipped: the plain verification

@@ -144,7 +144,7 @@ def temperature_factors(traces: list[str], verify: dict) -> dict[float, dict[int
     transport) over the verify curve's, the mean of the runs' ratios (each run weighing the same; a step's
     temperature is its rows': 0 when all are greedy; a run's ratio needs MIN_SAMPLES steps). Only the
     verifications during which the drafter ran no branch steps (every `sync` step): what the drafter's work
-    beside the target adds is `drafting_factor`'s. The verify
+    beside the target adds is `drafting_factors`'. The verify
     curve's free oracle drafter takes vLLM's path at T=0; Saguaro's runs take the all-greedy verification
     there and vLLM's sampled rejection at T > 0, so one factor per temperature cannot be pooled over
     temperatures or batches (a pooled proposer overhead read -18..-26 % at batch 1 and +11..+30 % at 16,
@@ -168,23 +168,28 @@ def temperature_factors(traces: list[str], verify: dict) -> dict[float, dict[int
     return out
 
 
-def drafting_factor(traces: list[str], cost: CostModel) -> float | None:
-    """What the drafter's branch steps beside the target add to its verification: the traced verifications
-    during which they ran over the model's (the verify curve times the temperature factors, which come from
-    verifications without them), the mean of the runs' ratios (each run weighing the same, MIN_SAMPLES
-    steps each); None where no run has enough. 1 where the drafter has hardware of its own; on the 2-core
-    machine of 2026-12-06 evening SSD's verification at batch 1 took 132-152 ms (medians) against 113-123 ms
-    for `sync`'s, and one factor per temperature and batch for both modes projected `sync` 6-15 % low and
-    SSD up to 20 % high."""
-    ratios, at_temp = [], {}
+def drafting_factors(traces: list[str], cost: CostModel) -> dict[int, float]:
+    """What the drafter's branch steps beside the target add to its verification, per batch: the traced
+    verifications during which they ran over the model's (the verify curve times the temperature factors,
+    which come from verifications without them), the mean of the runs' ratios (each run weighing the same,
+    MIN_SAMPLES steps of a run at a batch); none where no run has enough. 1 where the drafter has hardware of
+    its own; on the 2-core machine of 2026-12-06 evening SSD's verification at batch 1 took 132-152 ms
+    (medians) against 113-123 ms for `sync`'s, while at batch 16 the two were level, so one factor for all
+    batches (1.09 there) held neither, and one verification per temperature and batch for both modes had
+    projected `sync` 6-15 % low and SSD up to 20 % high."""
+    ratios: dict[int, list[float]] = {}
+    at_temp: dict[float, CostModel] = {}
     for path in traces:
         samples = verifications(read_trace(path)[1], with_temperature=True, drafting=True)
         for t in {x[3] for x in samples} - at_temp.keys():
             at_temp[t] = cost.at_temperature(t)
-        if len(samples) >= MIN_SAMPLES:
-            ratios.append(statistics.mean(v / (at_temp[t].verify_s(b, tpr) + at_temp[t].overhead("proposer", b))
-                                          for b, tpr, v, t in samples))
-    return statistics.mean(ratios) if ratios else None
+        by_batch: dict[int, list[float]] = {}
+        for b, tpr, v, t in samples:
+            by_batch.setdefault(b, []).append(v / (at_temp[t].verify_s(b, tpr) + at_temp[t].overhead("proposer", b)))
+        for b, r in by_batch.items():
+            if len(r) >= MIN_SAMPLES:
+                ratios.setdefault(b, []).append(statistics.mean(r))
+    return {b: statistics.mean(r) for b, r in sorted(ratios.items())}
 
 
 def overheads_from_traces(traces: list[str], verify: dict | None) -> tuple[dict[str, float], str]:
@@ -261,8 +266,8 @@ def jitter_from_traces(traces: list[str], cost: CostModel) -> dict[str, list[flo
             samples = verifications(steps, with_temperature=True, drafting=drafting)
             for t in {x[3] for x in samples} - at_temp.keys():
                 at_temp[t] = cost.at_temperature(t)
-            scale = (cost.drafting_factor or 1.0) if drafting else 1.0
-            run += [v / (scale * (at_temp[t].verify_s(b, tpr) + at_temp[t].overhead("proposer", b)))
+            run += [v / ((cost.drafting_factor(b) if drafting else 1.0)
+                         * (at_temp[t].verify_s(b, tpr) + at_temp[t].overhead("proposer", b)))
                     for b, tpr, v, t in samples]
         verify.append(run)
     return {k: v for k, v in (("target_verify", pooled_spread(verify)), ("draft_forward", pooled_spread(forward)))
@@ -313,11 +318,11 @@ def calibrate(out: str, draft: str | None = None, verify_curve: str | None = Non
     cost = CostModel(verify, fit, overheads, sources, name or "calibrated on this machine",
                      temperature_factors=factors, branch=branch)
     if traces and factors:
-        cost.drafting_factor = drafting_factor(list(traces), cost)
-        if cost.drafting_factor is not None:
+        cost.drafting_factors = drafting_factors(list(traces), cost)
+        if cost.drafting_factors:
             sources["target_verify.while_drafting"] = (
-                f"measured in {len(traces)} trace(s): the verifications during which the drafter ran branch "
-                "steps over this model's (the mean over runs)")
+                f"measured in {len(traces)} trace(s): per batch, the verifications during which the drafter ran "
+                "branch steps over this model's (the mean over runs)")
     if traces:
         cost.jitter = jitter_from_traces(list(traces), cost)
         sources.update({f"jitter.{k}": f"measured in {len(traces)} trace(s) over this model: each run's factors "

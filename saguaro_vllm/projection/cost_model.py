@@ -67,10 +67,18 @@ class CostModel:
     #: rows, 10.5 against 34.6 ms for the demo draft at 256 tokens, 2026-12-06): fixed per step (e.g. the
     #: branches' sampling) + per further branch row (`branch_step_s`); None: `draft` for every forward
     branch: StepCostModel | None = None
-    #: optional: factor on the target's verification while the drafter runs branch steps beside it (the two
-    #: share hardware: on the 2-core machine of 2026-12-06 evening SSD's verification took 132-152 ms at
-    #: batch 1 against `sync`'s 113-123 ms; a drafter on a device of its own: None, no factor)
-    drafting_factor: float | None = None
+    #: optional: batch -> factor on the target's verification while the drafter runs branch steps beside it
+    #: (the two share hardware: on the 2-core machine of 2026-12-06 evening SSD's verification took 132-152 ms
+    #: at batch 1 against `sync`'s 113-123 ms; a drafter on a device of its own: none, no factor)
+    drafting_factors: dict[int, float] = dataclasses.field(default_factory=dict)
+
+    def drafting_factor(self, batch: int) -> float:
+        """`drafting_factors` at `batch`, interpolated and held at the ends (1 without any)."""
+        if not self.drafting_factors:
+            return 1.0
+        bs = sorted(self.drafting_factors)
+        return _interp([float(b) for b in bs], [self.drafting_factors[b] for b in bs],
+                       float(min(max(batch, bs[0]), bs[-1])))
 
     def at_temperature(self, temperature: float) -> CostModel:
         """The model for a run at `temperature`: `verify` times the factors of the nearest measured temperature
@@ -138,8 +146,9 @@ class CostModel:
                                               for b, f in sorted(self.temperature_factors[t].items())]}}
                                  if self.temperature_factors else {}),
                               **({"while_drafting": {"source": self.sources.get("target_verify.while_drafting", ""),
-                                                     "factor": round(self.drafting_factor, 4)}}
-                                 if self.drafting_factor is not None else {})},
+                                                     "factors": [{"batch": b, "factor": round(f, 4)}
+                                                                 for b, f in sorted(self.drafting_factors.items())]}}
+                                 if self.drafting_factors else {})},
             "draft_forward": {"source": self.sources.get("draft_forward", ""), "fixed_s": self.draft.fixed_s,
                               "per_token_s": self.draft.per_row_s, "per_logit_s": self.draft.per_logit_s},
             **({"branch_forward": {"source": self.sources.get("branch_forward", ""), "fixed_s": self.branch.fixed_s,
@@ -174,13 +183,14 @@ class CostModel:
             sources["target_verify.by_temperature"] = block["source"]
             for f in block["factors"]:
                 temperature_factors.setdefault(float(f["temperature"]), {})[int(f["batch"])] = float(f["factor"])
-        drafting_factor = None
+        drafting_factors: dict[int, float] = {}
         if "while_drafting" in tv:
             block = tv["while_drafting"]
-            if not block.get("source") or not float(block.get("factor", 0)) > 0:
-                raise ValueError("cost model: target_verify.while_drafting needs a factor > 0 and a source")
+            if not block.get("source") or not block.get("factors") or any(
+                    not float(f["factor"]) > 0 for f in block["factors"]):
+                raise ValueError("cost model: target_verify.while_drafting needs factors > 0 by batch and a source")
             sources["target_verify.while_drafting"] = block["source"]
-            drafting_factor = float(block["factor"])
+            drafting_factors = {int(f["batch"]): float(f["factor"]) for f in block["factors"]}
         overheads = {}
         for key, item in obj.get("overheads", {}).items():
             if key not in OVERHEADS:
@@ -202,7 +212,7 @@ class CostModel:
             sources["branch_forward"] = bf["source"]
             branch = StepCostModel(float(bf["fixed_s"]), float(bf["per_token_s"]), float(bf.get("per_logit_s", 0.0)))
         return cls(verify, draft, overheads, sources, obj.get("name", "cost model"), jitter, temperature_factors,
-                   branch, drafting_factor)
+                   branch, drafting_factors)
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
