@@ -4,6 +4,7 @@ takes the live run's decisions, hit for hit; the CLI commands run on such a trac
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import numpy as np
@@ -437,48 +438,45 @@ def test_the_verification_is_calibrated_per_temperature_and_batch(tmp_path):
     assert again.temperature_factors == cost.temperature_factors
 
 
-def test_the_drafters_work_beside_the_verification_is_its_own_factor(tmp_path):
+def test_ssds_verification_beside_its_predraft_is_its_own_factor(tmp_path):
     """On a machine whose drafter shares hardware with the target (2026-12-06 evening, 2 cores: SSD's
-    verification 132-152 ms at batch 1 while its branch steps ran, `sync`'s 113-123 ms), one factor per
-    temperature and batch for both modes projected `sync` low and SSD high. The temperature factors come from
-    verifications without branch steps beside them; those with them give `drafting_factors` per batch (each run
-    weighing the same), which the model keeps through its JSON and the replay's clock applies only to
-    rounds whose branch steps run; the spread is taken over that model."""
+    verification 132-152 ms at batch 1 while its pre-draft ran beside it, `sync`'s 113-123 ms, whose drafter
+    waits meanwhile), one factor per temperature and batch for both modes projected `sync` low and SSD
+    high. The temperature factors come from the `sync` runs; SSD's runs give `drafting_factors` per batch
+    (each run weighing the same), which the model keeps through its JSON, the replay's clock applies to
+    every SSD verification, and the spread is taken over."""
     from saguaro_vllm.drafter.predictor import StepCostModel
-    from saguaro_vllm.projection.calibrate import drafting_factors, jitter_from_traces, temperature_factors
+    from saguaro_vllm.projection.calibrate import (drafting_factors, jitter_from_traces, plain_traces,
+                                                   temperature_factors)
 
     curve = {1: {6.0: 0.1}}
     sync = _write_trace(tmp_path / "sync.jsonl", _at_temperature(_timed_steps(10, 0.1, 0.01), 1.0))
-    ssd = _at_temperature(_timed_steps(20, 0.1, 0.01), 1.0)
-    for i, s in enumerate(ssd):  # every other round ran its branch steps, and those verifications took 30 % more
-        s["ran_branches"] = i % 2 == 0
-        s["verify_s"] = 1.3 * s["verify_s"] if s["ran_branches"] and s["step"] else s["verify_s"]
-    ssd2 = [{**s, "verify_s": 1.5 / 1.3 * s["verify_s"] if s["ran_branches"] and s["step"] else s["verify_s"]}
-            for s in ssd]  # a second run at 1.5
-    traces = [sync, _write_trace(tmp_path / "ssd.jsonl", ssd, "async"),
-              _write_trace(tmp_path / "ssd2.jsonl", ssd2, "async")]
-    factors = temperature_factors(traces, curve)
-    assert factors == {1.0: {1: pytest.approx(1.0)}}  # not pulled up by the rounds with branch steps
+    ssd = [_write_trace(tmp_path / f"ssd{i}.jsonl", _at_temperature(_timed_steps(n, v, 0.01), 1.0), "async")
+           for i, (n, v) in enumerate(((20, 0.13), (8, 0.15)))]  # two runs at 1.3 and 1.5
+    traces = [sync, *ssd]
+    assert plain_traces(traces) == [sync] and plain_traces(ssd) == ssd
+    factors = temperature_factors(plain_traces(traces), curve)
+    assert factors == {1.0: {1: pytest.approx(1.0)}}  # not pulled up by SSD's verifications
     cost = CostModel(curve, StepCostModel(0.01, 0.0), {}, {"target_verify": "x", "draft_forward": "y"},
                      temperature_factors=factors)
     assert drafting_factors(traces, cost) == {1: pytest.approx(1.4)}  # the runs' 1.3 and 1.5, each the same
-    assert drafting_factors(traces[:1], cost) == {}  # no round of `sync` runs branch steps
+    assert drafting_factors([sync], cost) == {}  # a `sync` drafter waits during the verification
+    # the spread's level (the mean of the runs' means over the model) is 1 with the factor in SSD's model:
+    # the runs' 1.0, 1.3 / 1.4 and 1.5 / 1.4; without it (1.0 + 1.3 + 1.5) / 3
+    assert statistics.mean(jitter_from_traces(traces, cost)["target_verify"]) == pytest.approx(2.8 / 3 + 1 / 3)
     cost.drafting_factors = {1: 1.4, 16: 1.0}
     assert cost.drafting_factor(4) == pytest.approx(1.4 - 0.4 * 3 / 15) and cost.drafting_factor(64) == 1.0
-    spread = jitter_from_traces(traces[:2], cost)["target_verify"]
-    assert max(spread) / min(spread) == pytest.approx(1.4 / 1.3)  # 1.3 without the factor in the model
+    assert statistics.mean(jitter_from_traces(traces, cost)["target_verify"]) == pytest.approx(1.0)
     with pytest.raises(ValueError):  # every number needs its source
         CostModel.from_json(cost.to_json())
     cost.sources["target_verify.while_drafting"] = "measured"
     cost.sources["target_verify.by_temperature"] = "measured"
     again = CostModel.from_json(cost.to_json())
     assert again.drafting_factors == {1: pytest.approx(1.4), 16: pytest.approx(1.0)}
-    clock = ModelClock(again.at_temperature(1.0))
-    clock.next_request(1, [5])
-    assert clock.round(1, None)[0] == pytest.approx(0.1)  # the branch steps skipped: the plain verification
-    clock.next_request(1, [5])
-    plan = {"roots": ["r"], "steps": 5, "rows": 8}
-    assert clock.round(2, plan)[0] == pytest.approx(0.14)
+    for model, verify_s in ((again.at_temperature(1.0), 0.14), (CostModel(curve, cost.draft, {}, {}), 0.1)):
+        clock = ModelClock(model)
+        clock.next_request(1, [5])
+        assert clock.round(1, None)[0] == pytest.approx(verify_s)
 
 
 def test_a_sync_projection_replays_under_its_temperatures_verification(tmp_path):

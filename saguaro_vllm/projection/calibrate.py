@@ -8,8 +8,10 @@
 - target verification by batch and tokens per row: a verify-curve JSON (benchmarks/verify_curve.py, vLLM's
   step with a free oracle drafter), or the drafter-seen verification of traces;
 - with a verify curve and traces, the verification per temperature and batch: the traces' drafter-seen
-  verification over the curve's (`temperature_factors`; it holds the proposer's and the transport's share);
-  `--no-by-temperature`: one proposer overhead per step pooled over the traces instead;
+  verification over the curve's (`temperature_factors`, from the `sync` traces where there are any: it holds
+  the proposer's and the transport's share), and SSD's verification beside its pre-draft over that
+  (`drafting_factors`, per batch); `--no-by-temperature`: one proposer overhead per step pooled over the
+  traces instead;
 - host overheads from traces of real runs: the drafter's answer time beyond its forwards (per step and row).
 """
 from __future__ import annotations
@@ -139,22 +141,26 @@ def verify_from_curve(path: str | Path) -> dict[int, dict[float, float]]:
 MIN_SAMPLES = 5
 
 
+def plain_traces(traces: list[str]) -> list[str]:
+    """The traces whose drafter waits during the verification (`sync`), or all where there is none: what
+    the verification per temperature and batch is measured on (`drafting_factors` has SSD's)."""
+    return [t for t in traces if read_trace(t)[0].get("mode") == "sync"] or list(traces)
+
+
 def temperature_factors(traces: list[str], verify: dict) -> dict[float, dict[int, float]]:
     """Per temperature and batch: the traced verification (as the drafter saw it: target, proposer and
     transport) over the verify curve's, the mean of the runs' ratios (each run weighing the same; a step's
-    temperature is its rows': 0 when all are greedy; a run's ratio needs MIN_SAMPLES steps). Only the
-    verifications during which the drafter ran no branch steps (every `sync` step): what the drafter's work
-    beside the target adds is `drafting_factors`'. The verify
+    temperature is its rows': 0 when all are greedy; a run's ratio needs MIN_SAMPLES steps). The verify
     curve's free oracle drafter takes vLLM's path at T=0; Saguaro's runs take the all-greedy verification
     there and vLLM's sampled rejection at T > 0, so one factor per temperature cannot be pooled over
     temperatures or batches (a pooled proposer overhead read -18..-26 % at batch 1 and +11..+30 % at 16,
-    2026-12-06)."""
+    2026-12-06). `calibrate` gives it the `sync` traces only (`plain_traces`)."""
     probe = CostModel(verify, StepCostModel(0.0, 0.0), {}, {})
     ratios: dict[tuple[float, int], list[float]] = {}
     for path in traces:
         _, steps = read_trace(path)
         sums: dict[tuple[float, int], list[float]] = {}  # per (the step's temperature, batch)
-        for b, tpr, v, temp in verifications(steps, with_temperature=True, drafting=False):
+        for b, tpr, v, temp in verifications(steps, with_temperature=True):
             acc = sums.setdefault((temp, b), [0.0, 0.0, 0])
             acc[0] += v
             acc[1] += probe.verify_s(b, tpr)
@@ -169,18 +175,21 @@ def temperature_factors(traces: list[str], verify: dict) -> dict[float, dict[int
 
 
 def drafting_factors(traces: list[str], cost: CostModel) -> dict[int, float]:
-    """What the drafter's branch steps beside the target add to its verification, per batch: the traced
-    verifications during which they ran over the model's (the verify curve times the temperature factors,
-    which come from verifications without them), the mean of the runs' ratios (each run weighing the same,
-    MIN_SAMPLES steps of a run at a batch); none where no run has enough. 1 where the drafter has hardware of
-    its own; on the 2-core machine of 2026-12-06 evening SSD's verification at batch 1 took 132-152 ms
-    (medians) against 113-123 ms for `sync`'s, while at batch 16 the two were level, so one factor for all
-    batches (1.09 there) held neither, and one verification per temperature and batch for both modes had
-    projected `sync` 6-15 % low and SSD up to 20 % high."""
+    """What SSD's pre-draft beside the target (the glue forward in every round, branch steps in most) adds
+    to its verification, per batch: each `async` trace's verifications over the model's (the verify curve
+    times the temperature factors of the `sync` runs, whose drafter waits meanwhile), the mean of the runs'
+    ratios (each run weighing the same, MIN_SAMPLES steps of a run at a batch). 1 where the drafter has
+    hardware of its own; on the 2-core machine of 2026-12-06 evening SSD's verification at batch 1 took
+    132-152 ms (medians) against 113-123 ms for `sync`'s, while at batch 16 the two were level, and one
+    verification per temperature and batch for both modes projected `sync` 6-15 % low and SSD up to 20 %
+    high."""
     ratios: dict[int, list[float]] = {}
     at_temp: dict[float, CostModel] = {}
     for path in traces:
-        samples = verifications(read_trace(path)[1], with_temperature=True, drafting=True)
+        header, steps = read_trace(path)
+        if header.get("mode") != "async":
+            continue
+        samples = verifications(steps, with_temperature=True)
         for t in {x[3] for x in samples} - at_temp.keys():
             at_temp[t] = cost.at_temperature(t)
         by_batch: dict[int, list[float]] = {}
@@ -256,19 +265,18 @@ def jitter_from_traces(traces: list[str], cost: CostModel) -> dict[str, list[flo
     verify, forward = [], []
     at_temp: dict[float, CostModel] = {}
     for path in traces:
-        _, steps = read_trace(path)
+        header, steps = read_trace(path)
         forward.append([f[3] / max(cost.branch_step_s(f[1], s.get("pre", {}).get("batch", 1)) if f[0] == BRANCH
                                    else cost.forward_s(f[1], f[2]), 1e-9)
                         for s in steps for f in s.get("fwd", [])])
         # decode steps only (`verifications`: a new row's verification also holds its prompt's prefill)
-        run = []
-        for drafting in (False, True):  # the model of a verification beside branch steps holds their factor
-            samples = verifications(steps, with_temperature=True, drafting=drafting)
-            for t in {x[3] for x in samples} - at_temp.keys():
-                at_temp[t] = cost.at_temperature(t)
-            run += [v / ((cost.drafting_factor(b) if drafting else 1.0)
-                         * (at_temp[t].verify_s(b, tpr) + at_temp[t].overhead("proposer", b)))
-                    for b, tpr, v, t in samples]
+        samples = verifications(steps, with_temperature=True)
+        for t in {x[3] for x in samples} - at_temp.keys():
+            at_temp[t] = cost.at_temperature(t)
+        ssd = header.get("mode") == "async"  # the model of SSD's verification holds the drafting factor
+        run = [v / ((cost.drafting_factor(b) if ssd else 1.0)
+                    * (at_temp[t].verify_s(b, tpr) + at_temp[t].overhead("proposer", b)))
+               for b, tpr, v, t in samples]
         verify.append(run)
     return {k: v for k, v in (("target_verify", pooled_spread(verify)), ("draft_forward", pooled_spread(forward)))
             if v}
@@ -308,21 +316,24 @@ def calibrate(out: str, draft: str | None = None, verify_curve: str | None = Non
     overheads: dict[str, float] = {}
     factors: dict[float, dict[int, float]] = {}
     if traces and verify_curve and by_temperature:
-        factors = temperature_factors(list(traces), verify)
+        plain = plain_traces(list(traces))
+        factors = temperature_factors(plain, verify)
         sources["target_verify.by_temperature"] = (
-            f"measured in {len(traces)} trace(s): per temperature and batch, the mean over runs of the "
-            "drafter-seen verification (target + proposer + transport) over the verify curve's")
+            f"measured in {len(plain)} trace(s){' of sync' if len(plain) < len(traces) else ''}: per temperature "
+            "and batch, the mean over runs of the drafter-seen verification (target + proposer + transport) over "
+            "the verify curve's")
     if traces:  # (with temperature factors the proposer's share is in them)
         overheads, src = overheads_from_traces(list(traces), verify if verify_curve and not factors else None)
         sources.update(dict.fromkeys(overheads, src))
     cost = CostModel(verify, fit, overheads, sources, name or "calibrated on this machine",
                      temperature_factors=factors, branch=branch)
-    if traces and factors:
+    if traces and factors and len(plain) < len(traces):
         cost.drafting_factors = drafting_factors(list(traces), cost)
         if cost.drafting_factors:
             sources["target_verify.while_drafting"] = (
-                f"measured in {len(traces)} trace(s): per batch, the verifications during which the drafter ran "
-                "branch steps over this model's (the mean over runs)")
+                f"measured in {len(traces) - len(plain)} async trace(s): per batch, SSD's verifications (its "
+                "pre-draft running beside them) over this model's, whose temperature factors come from the sync "
+                "runs (the mean over runs)")
     if traces:
         cost.jitter = jitter_from_traces(list(traces), cost)
         sources.update({f"jitter.{k}": f"measured in {len(traces)} trace(s) over this model: each run's factors "

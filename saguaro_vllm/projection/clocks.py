@@ -3,8 +3,8 @@
 `TraceClock` answers with what the trace recorded (the live run's own cost model, to the microsecond);
 `ModelClock` computes every time from a `CostModel` on a virtual timeline: the answer is sent at 0, the
 pre-draft's forwards (glue, then the planned branch steps) run back to back, the next request arrives after
-the modelled verification (times the model's `drafting_factor` of the batch in rounds whose branch steps
-run, where the drafter shares hardware with the target), and a forward in flight when it arrives finishes first (the
+the modelled verification (times the model's `drafting_factor` of the batch: the pre-draft runs beside it,
+which slows it where the drafter shares hardware with the target), and a forward in flight when it arrives finishes first (the
 lateness).
 """
 from __future__ import annotations
@@ -64,15 +64,13 @@ class ModelClock:
         self.finish_predraft = finish_predraft
         self.rng = random.Random(seed)
         self.arrival = 0.0  # the next request's arrival after the answer: the verification the drafter sees
-        self.batch = 1  # the batch being verified
         self.glue_s = 0.0
 
     def next_request(self, batch: int, served: list[int]) -> None:
         """The answer is out: the verification of `batch` rows with `served` drafts each starts."""
         tokens_per_row = sum(1 + d for d in served) / max(1, batch)
-        self.batch = batch
-        self.arrival = (self._spread("target_verify", self.cost.verify_s(batch, tokens_per_row))
-                        + self.cost.overhead("proposer", batch))
+        self.arrival = self.cost.drafting_factor(batch) * (
+            self._spread("target_verify", self.cost.verify_s(batch, tokens_per_row)) + self.cost.overhead("proposer", batch))
         self.glue_s = 0.0
 
     def _spread(self, kind: str, seconds: float) -> float:
@@ -83,12 +81,8 @@ class ModelClock:
         return self._spread("draft_forward", self.cost.forward_s(tokens, logits))
 
     def round(self, n: int, plan: dict | None) -> tuple[float, float, dict]:
-        """The verification (longer by the cost model's `drafting_factor` where the branch steps run beside
-        it), the lateness, and the branch steps done before the request came."""
         t = self.glue_s
         forwards: list[Forward] = []
-        if plan is not None:
-            self.arrival *= self.cost.drafting_factor(self.batch)
         late = max(0.0, t - self.arrival)
         if plan is not None:
             t += self.cost.overhead("predraft")

@@ -67,9 +67,10 @@ class CostModel:
     #: rows, 10.5 against 34.6 ms for the demo draft at 256 tokens, 2026-12-06): fixed per step (e.g. the
     #: branches' sampling) + per further branch row (`branch_step_s`); None: `draft` for every forward
     branch: StepCostModel | None = None
-    #: optional: batch -> factor on the target's verification while the drafter runs branch steps beside it
-    #: (the two share hardware: on the 2-core machine of 2026-12-06 evening SSD's verification took 132-152 ms
-    #: at batch 1 against `sync`'s 113-123 ms; a drafter on a device of its own: none, no factor)
+    #: optional: batch -> factor on the target's verification in SSD, whose drafter pre-drafts beside it (the
+    #: glue forward in every round, branch steps in most), where the two share hardware: on the 2-core machine
+    #: of 2026-12-06 evening SSD's verification took 132-152 ms at batch 1 against `sync`'s 113-123 ms, whose
+    #: drafter waits during it; a drafter on a device of its own: none, no factor
     drafting_factors: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def drafting_factor(self, batch: int) -> float:
@@ -236,19 +237,14 @@ def step_temperature(rows: list[dict]) -> float:
     return max((r.get("temp", 0.0) for r in rows), default=0.0)
 
 
-def verifications(steps: list[dict], with_temperature: bool = False, drafting: bool | None = None) -> list[tuple]:
+def verifications(steps: list[dict], with_temperature: bool = False) -> list[tuple]:
     """(batch, tokens per row sent, drafter-seen seconds[, the step's temperature]) of each traced verification
     that is a decode step of the target. A step with a `new` row is left out: its verify_s also holds that request's prompt
     prefill (0.86-0.93 s against 0.10-0.13 s for the decode steps of the 2026-12-06 demo-pair traces), which
     no verify curve or replay step models; until 2026-12-06 one such sample per trace raised the pooled
-    verification factor of the calibrated model by 9 % (0.630 -> 0.686) and a trace's own mean by 13 %.
-    `drafting`: only the verifications during which the drafter ran branch steps (True: the record's
-    `ran_branches`) or those during which it did not (False: every `sync` step); None: all."""
+    verification factor of the calibrated model by 9 % (0.630 -> 0.686) and a trace's own mean by 13 %."""
     out, prev = [], None
     for s in steps:
-        if drafting is not None and bool(s.get("ran_branches")) != drafting:
-            prev = s
-            continue
         if (prev is not None and s.get("verify_s", 0) > 0 and prev["rows"]
                 and not any(r.get("st") == "new" for r in s["rows"])):
             b = len(prev["rows"])
