@@ -13,7 +13,7 @@ hit rate and the fan-out budgets it chose, and the issue's bars (SSD >= 1.4x `sy
 
 SSD replays each trace's recorded options except the policy defaults in POLICY_DEFAULTS, which take
 today's defaults (the stored traces were recorded under the defaults of their day: `max_fanout_budget` 32,
-64 since 2026-12-06); `--recorded-options` replays the recorded ones.
+64 from 2026-12-06, 128 since that evening); `--recorded-options` replays the recorded ones.
 """
 from __future__ import annotations
 

@@ -180,12 +180,16 @@ def _gpu_like(planner: RoundPlanner, late_s: float = 5e-5) -> None:
 
 def test_rows_nearly_free_a_wide_budget_at_batch_1():
     """Under GPU-like costs the whole K-step plan of many branches fits a verification: the budget is the
-    cap (max_fanout_budget, 64), not the 1-6 branches a CPU core fits."""
+    cap (max_fanout_budget, 128 by default), not the 1-6 branches a CPU core fits. 128 rather than 64
+    (2026-12-06): replayed under the H100 70B TP4 + 1B model the demo pair's batch-1 hit rate rises from
+    0.53 to 0.61 at T=0.7 and from 0.28 to 0.38 at T=1; a given cap still bounds it."""
     planner = RoundPlanner({})
     _gpu_like(planner)
     plan = planner.plan(1, 5)
-    assert plan.branches >= 48 and plan.steps == 5
-    assert RoundPlanner({"max_fanout_budget": 24}).plan(1, 5).branches <= 24
+    assert plan.branches == 128 and plan.steps == 5
+    capped = RoundPlanner({"max_fanout_budget": 24})
+    _gpu_like(capped)
+    assert capped.plan(1, 5).branches == 24
 
 
 def test_a_few_missed_rounds_at_batch_1_do_not_switch_the_branch_steps_off():

@@ -32,6 +32,7 @@ from saguaro_vllm.drafter.predictor import (
     plan_predraft,
 )
 from saguaro_vllm.drafter.scale_choice import temperature_bucket
+from saguaro_vllm.frontend.config import SaguaroOptions
 
 logger = logging.getLogger("saguaro_vllm.drafter")
 
@@ -57,6 +58,8 @@ BRANCH_HIT_DECAY = 0.9
 #: rows): the cost model is not extrapolated far beyond its data, and each round's larger forward measures
 #: the next size (at batch 1 budgets grow 2, 4, 8, ... in a few rounds).
 GROWTH = 2
+#: The cap of the automatic budget where the options do not give one (replays of traces, tests).
+MAX_FANOUT_BUDGET = SaguaroOptions.model_fields["max_fanout_budget"].default
 #: Steps between re-plannings of the per-depth outlook of `depth: "auto"` (k_max plans each time).
 OUTLOOK_EVERY = 8
 
@@ -219,7 +222,7 @@ class RoundPlanner:
         if cost is None or self.verify_s is None:
             return PreDraftPlan(k + 1, k)  # one branch per depth until timings are known
         plan = plan_predraft(PLAN_SAFETY * self.verify_s, cost, batch, k, self.predictor.neural.alpha,
-                             max_branches=int(self.opts.get("max_fanout_budget", 64)), ranks=self.ranks,
+                             max_branches=int(self.opts.get("max_fanout_budget") or MAX_FANOUT_BUDGET), ranks=self.ranks,
                              max_rows=GROWTH * max(cost.max_rows or 0, batch))
         if plan.branches == 0:  # not even one branch per depth fits one step: the most likely outcomes only
             return PreDraftPlan(max(1, min(2, k + 1)), 1)

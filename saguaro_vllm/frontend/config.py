@@ -142,7 +142,8 @@ class SaguaroOptions(BaseModel):
         "verification times. Ignored when `fanout` is set.",
     )
     max_fanout_budget: int = Field(
-        64, description="`async` only: upper bound of the automatically sized branches per request and round."
+        128, description="`async` only: upper bound of the automatically sized branches per request and round "
+        "(the planner sizes the budget from measured costs below it; on a CPU core it stays far below)."
     )
     miss_fanout: list[int] | None = Field(
         None,
