@@ -192,6 +192,13 @@ def test_rows_nearly_free_a_wide_budget_at_batch_1():
     assert capped.plan(1, 5).branches == 24
 
 
+def test_the_planners_fallback_cap_is_the_configs_default():
+    from saguaro_vllm.drafter.round_planner import MAX_FANOUT_BUDGET
+    from saguaro_vllm.frontend.config import SaguaroOptions
+
+    assert MAX_FANOUT_BUDGET == SaguaroOptions.model_fields["max_fanout_budget"].default
+
+
 def test_a_few_missed_rounds_at_batch_1_do_not_switch_the_branch_steps_off():
     """A round of one row that missed is weak evidence: at batch 1 the first round after a new request
     missed, the measured hit rate read 0, and under GPU costs (lateness 50 us against a 5 ms jit draft) the

@@ -32,7 +32,6 @@ from saguaro_vllm.drafter.predictor import (
     plan_predraft,
 )
 from saguaro_vllm.drafter.scale_choice import temperature_bucket
-from saguaro_vllm.frontend.config import SaguaroOptions
 
 logger = logging.getLogger("saguaro_vllm.drafter")
 
@@ -58,8 +57,10 @@ BRANCH_HIT_DECAY = 0.9
 #: rows): the cost model is not extrapolated far beyond its data, and each round's larger forward measures
 #: the next size (at batch 1 budgets grow 2, 4, 8, ... in a few rounds).
 GROWTH = 2
-#: The cap of the automatic budget where the options do not give one (replays of traces, tests).
-MAX_FANOUT_BUDGET = SaguaroOptions.model_fields["max_fanout_budget"].default
+#: The cap of the automatic budget where the options do not give one (replays of traces, tests): the
+#: config's default (`max_fanout_budget`; the drafter process does not import the front end, a test checks
+#: the two agree).
+MAX_FANOUT_BUDGET = 128
 #: Steps between re-plannings of the per-depth outlook of `depth: "auto"` (k_max plans each time).
 OUTLOOK_EVERY = 8
 
