@@ -164,6 +164,31 @@ def test_replay_measures_the_fanouts_coverage_as_the_live_run(draft_model, tmp_p
     assert replayed.branch_hit_floor() == pytest.approx(live.branch_hit_floor())
 
 
+def test_a_hit_sent_short_plans_the_next_predraft_for_the_drafts_wanted(draft_model, tmp_path, monkeypatch):
+    """A hit whose branches were cut short is sent with fewer drafts than wanted when its top-up does not
+    pay; the next pre-draft still plans branch steps for the drafts the next round wants (short rounds must
+    not beget short rounds), live and in the replay. Until 2026-12-07 the replay planned for the short
+    round's count (3 steps where the live run planned 5) and the replay of a run under its own times parted
+    from it there (4 of the 9 SSD runs of 2026-12-07). Here no top-up is ever drafted (the same rule live and
+    in the replay), so every cut-short hit is sent short."""
+    def misses_only(self, candidates, base_tokens):
+        return [c.row for c in candidates if not c.topup]
+
+    monkeypatch.setattr(RoundPlanner, "draft_now", misses_only)
+    runner = DraftModelRunner(draft_model, KVCacheConfig(num_blocks=256, block_size=16))
+    drafter = SSDDrafter(runner, vocab_size=draft_model.config.vocab_size, options={})
+    path = tmp_path / "short.jsonl.gz"
+    statuses = record_run(draft_model, drafter, path, rounds=30, seed=3)
+    header, steps = read_trace(path)
+    short = [n for n, s in enumerate(steps[:-1]) if any(r["st"] == "hit" and 0 < r["served"] < r["want"]
+                                                        for r in s["rows"]) and "plan" in s.get("pre", {})]
+    assert len(short) >= 2, short  # hits sent short, each followed by a planned pre-draft
+    result = SSDReplay(header, steps, TraceClock(steps)).run()
+    live_plans = [s["pre"]["plan"] + [s["pre"]["pays"]] if "plan" in s.get("pre", {}) else None for s in steps]
+    assert [s["plan"] for s in result.per_step] == live_plans
+    assert [s["status"] for s in result.per_step] == statuses
+
+
 def test_replay_under_a_cost_model_runs_the_policy(ssd_trace):
     """Under the cost model fitted from the same trace (its JSON round trip included) the replay runs the
     policy on the virtual clock: every step after the first is timed and counted."""

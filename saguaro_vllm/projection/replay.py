@@ -291,7 +291,10 @@ class SSDReplay:
         self.planner.record_forward(glue[0], glue[2], logits=glue[1])
         if not self.clock.reaches_plan(n):
             return
-        k = max(self.rounds[r].k or self.rounds[r].want for r in roots)  # zero drafts: what is wanted
+        # steps per branch: the drafts the next round wants, as live (`PreDrafter`), not this round's count
+        # (until 2026-12-07 the replay took the count: a hit cut short to 3 drafts planned 3-step branches
+        # where the live run planned 5, and the replay of a run under its own times parted from it there)
+        k = max(self.rounds[r].want or self.rounds[r].k for r in roots)
         plan = self.planner.plan(len(roots), k)
         pays = self.planner.branches_pay_off(plan, len(roots), k)
         for rid in roots:  # fan-outs planned whether or not the steps run (the planner's coverage), as live
