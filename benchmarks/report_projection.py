@@ -45,11 +45,16 @@ def validation_lines(data: dict) -> list[str]:
     ar = data.get("vllm_ar") or []
     if ar:
         out += ["", "vLLM AR (T=0, pinned to core 0) measured and projected from the verify curve's depth 0, and "
-                "whether it is ahead of each Saguaro mode (tokens/s per sequence) in the runs and in the projection:",
+                "whether it is ahead of each Saguaro mode (tokens/s per sequence) in the runs and in the projection "
+                "(in brackets the mode's own, measured / projected: each request's tokens over its own span, as the "
+                "engine counts them; results before 2026-12-07 compared the projected batch total over the batch "
+                "size, which is low where requests end at different steps):",
                 "", "| batch | AR measured | AR projected | error | AR ahead of sync (measured / projected) | "
                 "AR ahead of SSD (measured / projected) |", "|---|---|---|---|---|---|"]
         for x in ar:
             ahead = {m: f"{'yes' if v['measured'] else 'no'} / {'yes' if v['projected'] else 'no'}"
+                     + (f" ({v['measured_per_seq']:.2f} / {v['projected_per_seq']:.2f})"
+                        if v.get("projected_per_seq") is not None else "")
                      for m, v in x["ahead_of"].items()}
             out.append(f"| {x['batch']} | {x['measured_per_seq']:.2f} | {x['projected_per_seq']:.2f} | "
                        f"{_pct(x['error'])} | {ahead.get('sync', '-')} | {ahead.get('async', '-')} |")

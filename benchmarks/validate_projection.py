@@ -124,16 +124,18 @@ def compare(cell: dict, cost: CostModel, k: int) -> dict:
 
 def ar_row(ar: dict, cost: CostModel, rows: list[dict]) -> dict:
     """vLLM AR at one batch, T=0: measured against projected, and whether it is ahead of each Saguaro mode
-    (tokens/s per sequence; measured: the engines' own decode figures, like for like) in the runs and in the
-    projection: the crossover must come out the same."""
+    (tokens/s per sequence; measured: the engines' own decode figures, like for like; projected: each
+    request's tokens over its own span, `per_request_rate`, as the engine counts them) in the runs and in
+    the projection: the crossover must come out the same."""
     projected = project_ar(ar["batch"], cost)["per_seq_tokens_per_s"]
     out = {"batch": ar["batch"], "measured_per_seq": ar["decode_tok_s_per_seq"], "projected_per_seq": projected,
            "error": round(projected / ar["decode_tok_s_per_seq"] - 1, 4), "ahead_of": {}}
     for r in rows:
         if r["batch"] == ar["batch"] and r["temperature"] == 0:
-            out["ahead_of"][r["mode"]] = {
-                "measured": ar["decode_tok_s_per_seq"] > r["engine_run"]["decode_tok_s_per_seq"],
-                "projected": projected > r["projected"]["per_seq_tokens_per_s"]}
+            mine = {"measured_per_seq": round(r["engine_run"]["decode_tok_s_per_seq"], 3),
+                    "projected_per_seq": r["projected"]["per_request_tokens_per_s"]}
+            out["ahead_of"][r["mode"]] = {"measured": ar["decode_tok_s_per_seq"] > mine["measured_per_seq"],
+                                          "projected": projected > mine["projected_per_seq"], **mine}
     out["agrees"] = all(v["measured"] == v["projected"] for v in out["ahead_of"].values())
     return out
 

@@ -399,15 +399,18 @@ def test_validation_section_shows_the_crossover_and_where_the_calibration_came_f
 
     cost = CostModel({4: {1.0: 0.05, 6.0: 0.1}}, StepCostModel(0.001, 0.0), {}, {})
     rows = [{"mode": "sync", "batch": 4, "temperature": 0.0, "engine_run": {"decode_tok_s_per_seq": 25.0},
-             "projected": {"per_seq_tokens_per_s": 18.0}},
+             "projected": {"per_seq_tokens_per_s": 30.0, "per_request_tokens_per_s": 18.0}},
             {"mode": "async", "batch": 4, "temperature": 0.0, "engine_run": {"decode_tok_s_per_seq": 15.0},
-             "projected": {"per_seq_tokens_per_s": 21.0}},
+             "projected": {"per_seq_tokens_per_s": 12.0, "per_request_tokens_per_s": 21.0}},
             {"mode": "async", "batch": 4, "temperature": 1.0, "engine_run": {"decode_tok_s_per_seq": 1.0},
-             "projected": {"per_seq_tokens_per_s": 1.0}}]
+             "projected": {"per_seq_tokens_per_s": 1.0, "per_request_tokens_per_s": 1.0}}]
     x = validate.ar_row({"batch": 4, "decode_tok_s_per_seq": 19.0}, cost, rows)
     assert x["projected_per_seq"] == pytest.approx(20.0) and x["error"] == pytest.approx(20 / 19 - 1, abs=1e-4)
-    assert x["ahead_of"] == {"sync": {"measured": False, "projected": True},
-                             "async": {"measured": True, "projected": False}}
+    # each mode's projection per request (its own span), not the batch's total over its size
+    assert x["ahead_of"] == {"sync": {"measured": False, "projected": True, "measured_per_seq": 25.0,
+                                      "projected_per_seq": 18.0},
+                             "async": {"measured": True, "projected": False, "measured_per_seq": 15.0,
+                                       "projected_per_seq": 21.0}}
     assert not x["agrees"]
     cell = {"mode": "sync", "batch": 4, "temperature": 0.0, "measured": {"tokens_per_s": 90.0},
             "projected": {"tokens_per_s": 92.0}, "tokens_error": 0.022, "within_bars": True}
@@ -415,4 +418,4 @@ def test_validation_section_shows_the_crossover_and_where_the_calibration_came_f
             "calibration": [{"mode": "sync", "batch": 4, "temperature": 0.0}]}
     text = "\n".join(projection.validation_lines(data))
     assert "1 of 1 cells within the bars" in text and "other prompts (sync b4 T=0)" in text
-    assert "| 4 | 19.00 | 20.00 | +5.3 % | no / yes | yes / no |" in text
+    assert "| 4 | 19.00 | 20.00 | +5.3 % | no / yes (25.00 / 18.00) | yes / no (15.00 / 21.00) |" in text

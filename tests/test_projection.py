@@ -409,6 +409,48 @@ def test_sync_projection_counts_the_periods_measured_counts(tmp_path):
     assert project_spec("saguaro-sync", steps, 5, cost)["tokens_per_s"] == pytest.approx(m["tokens_per_s"], rel=1e-6)
 
 
+def test_per_request_rates_count_each_requests_own_span(tmp_path):
+    """Per-sequence tokens/s as the engine counts them (each request's tokens after its first over the time
+    from its first token to its last), in the trace and in the projection: with requests ending at different
+    steps this is not the batch's tokens/s over the batch size, which put vLLM AR (whose requests all run to
+    the end) ahead of `sync` at batch 16 in the projection while it was behind in the runs (2026-12-06)."""
+    from saguaro_vllm.drafter.predictor import StepCostModel
+    from saguaro_vllm.projection.engines import measured, per_request_rate, project_spec
+
+    steps = _timed_steps(10, 0.1, 0.01, prefill_at=3)  # r from step 0, q joins at step 3
+    for s in steps[8:]:  # r ends at step 7, q runs on alone to step 10
+        s["rows"] = [r for r in s["rows"] if r["id"] != "r"]
+    cost = CostModel({1: {6.0: 0.1}, 2: {6.0: 0.1}}, StepCostModel(0.005, 0.005), {}, {"target_verify": "x"})
+    t, prev = 0.0, None
+    for s in steps:  # the trace's clock: the drafting after the step before, then a verification
+        if prev is not None:
+            feed = sum(r.get("new", 1) if r["st"] == "new" else 1 for r in prev["rows"])
+            t += cost.forward_s(feed, len(prev["rows"])) + 4 * cost.forward_s(len(prev["rows"]), len(prev["rows"])) + 0.1
+        s["t"], prev = t, s
+    m = measured({"mode": "sync"}, steps)
+    r_rate = 7 * 5 / (steps[7]["t"] - steps[0]["t"])
+    q_rate = 7 * 5 / (steps[10]["t"] - steps[3]["t"])
+    assert m["per_request_tokens_per_s"] == pytest.approx((r_rate + q_rate) / 2, abs=1e-3)
+    assert m["per_request_tokens_per_s"] > 1.2 * m["tokens_per_s"] / 2  # not the batch's rate over its size
+    proj = project_spec("saguaro-sync", steps, 5, cost)
+    assert proj["per_request_tokens_per_s"] == pytest.approx(m["per_request_tokens_per_s"], abs=1e-3)
+    # a request whose first step came before the counted ones is left out
+    times = [s["t"] for s in steps]
+    tokens = [[0 if r["st"] == "new" else r["new"] for r in s["rows"]] for s in steps]
+    assert per_request_rate(steps, times, tokens, count_from=1) == pytest.approx(q_rate, abs=1e-3)
+
+
+def test_the_ssd_replay_under_live_timings_gives_the_live_per_request_rate(ssd_trace):
+    from saguaro_vllm.projection.engines import live_replay, measured
+
+    path, _ = ssd_trace
+    header, steps = read_trace(path)
+    m = measured(header, steps)
+    assert m["per_request_tokens_per_s"] is not None
+    assert live_replay(header, steps)["per_request_tokens_per_s"] == pytest.approx(m["per_request_tokens_per_s"],
+                                                                                   rel=1e-3)
+
+
 def test_the_draft_forward_is_timed_at_its_least_disturbed():
     """Another job's load only slows a forward: the calibration keeps the least of interleaved passes per
     row count, so a burst during one row count does not bend the fitted shape (one pass on 2026-12-06 gave

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import copy
+import statistics
 
 from saguaro_vllm.projection.clocks import ModelClock, TraceClock
 from saguaro_vllm.projection.cost_model import CostModel, trace_temperature
@@ -27,6 +28,34 @@ def _summary(engine: str, batch: int, tokens: int, seconds: float, extra: dict |
     rate = tokens / seconds if seconds > 0 else 0.0
     return {"engine": engine, "batch": batch, "tokens_per_s": round(rate, 3),
             "per_seq_tokens_per_s": round(rate / max(1, batch), 3), **(extra or {})}
+
+
+def per_request_rate(steps: list[dict], times: list[float], tokens: list[list[int]], count_from: int = 0
+                     ) -> float | None:
+    """Tokens per second per request the way the engine's per-sequence figure counts them (its tokens after
+    the first over the time from its first token to its last): per request that arrives at step `count_from`
+    or later, the tokens of its steps after its first (`tokens[n][i]`: row i of step n) over `times` (each
+    step's end, on the run's clock) from its first step to its last; the mean over the requests. Unlike
+    tokens/s over the batch, this holds when a speculative batch's requests finish at different steps (at
+    batch 16 on the cost-matched pair a step had 9-14 rows on average): comparing vLLM AR, whose requests all
+    run to the end together, with the batch total over 16 put AR ahead of `sync` at batch 16 in the
+    projection while it was behind in the runs (2026-12-06)."""
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    made: dict[str, int] = {}
+    seen_before = {r["id"] for s in steps[:count_from] for r in s["rows"]}
+    for n in range(count_from, len(steps)):
+        for i, r in enumerate(steps[n]["rows"]):
+            rid = r["id"]
+            if rid in seen_before:
+                continue
+            if rid in first:
+                made[rid] += tokens[n][i]
+            else:
+                first[rid], made[rid] = times[n], 0
+            last[rid] = times[n]
+    rates = [made[rid] / (last[rid] - first[rid]) for rid in first if last[rid] > first[rid]]
+    return round(statistics.mean(rates), 3) if rates else None
 
 
 def _ssd_extra(r: ReplayResult) -> dict:
@@ -44,7 +73,8 @@ def measured(header: dict, steps: list[dict], count_from: int = 0) -> dict:
     tokens = sum(r["new"] for s in steps[1:] for r in s["rows"] if r["st"] != "new")
     seconds = steps[-1]["t"] - steps[0]["t"] if len(steps) > 1 else 0.0
     batch = round(sum(len(s["rows"]) for s in steps) / max(1, len(steps)))
-    extra: dict = {"steps": len(steps) - 1}
+    extra: dict = {"steps": len(steps) - 1, "per_request_tokens_per_s": per_request_rate(
+        steps, [s["t"] for s in steps], [[r["new"] if r["st"] != "new" else 0 for r in s["rows"]] for s in steps])}
     if header.get("mode") == "async":
         looked = [r for s in steps[1:] for r in s["rows"] if r["st"] in LOOKED_UP]
         extra["hit_rate"] = round(sum(r["st"] == "hit" for r in looked) / len(looked), 4) if looked else None
@@ -55,7 +85,8 @@ def live_replay(header: dict, steps: list[dict], count_from: int = 0) -> dict:
     """The replay under the trace's own timings: must equal `measured` (a check of the replay itself)."""
     r = SSDReplay(header, steps, TraceClock(steps), count_from=count_from).run()
     return _summary("saguaro-async", round(sum(len(s["rows"]) for s in steps) / len(steps)), r.tokens, r.seconds,
-                    _ssd_extra(r))
+                    {**_ssd_extra(r), "per_request_tokens_per_s": per_request_rate(steps, r.step_times, r.row_tokens,
+                                                                                   count_from)})
 
 
 def segment_starts(steps: list[dict]) -> list[int]:
@@ -108,11 +139,12 @@ def project_ssd(header: dict, steps: list[dict], cost: CostModel, seed: int = 0,
     opts = header.get("options") or {}
     cost = cost.at_temperature(trace_temperature(steps))
     total = None
-    rates = []
+    rates, per_request = [], []
     for i in range(REPEATS if cost.jitter else 1):
         clock = ModelClock(cost, finish_predraft=bool(opts.get("finish_predraft")), seed=seed + i)
         r = SSDReplay(header, steps, clock, seed + i, count_from=count_from).run()
         rates.append(round(r.tokens / r.seconds, 3) if r.seconds else 0.0)
+        per_request.append(per_request_rate(steps, r.step_times, r.row_tokens, count_from))
         if total is None:
             total = r
         else:
@@ -121,7 +153,9 @@ def project_ssd(header: dict, steps: list[dict], cost: CostModel, seed: int = 0,
             total.steps += r.steps
             for name in ("hits_by_depth", "lookups_by_depth", "budgets", "depths", "scales"):
                 getattr(total, name).update(getattr(r, name))
-    extra = {**_ssd_extra(total), **({"repeats": rates} if len(rates) > 1 else {})}
+    known = [x for x in per_request if x is not None]
+    extra = {**_ssd_extra(total), **({"repeats": rates} if len(rates) > 1 else {}),
+             "per_request_tokens_per_s": round(statistics.mean(known), 3) if known else None}
     return _summary("saguaro-async", len(steps[0]["rows"]) if steps else 0, total.tokens, total.seconds, extra)
 
 
@@ -168,6 +202,7 @@ def project_spec(engine: str, steps: list[dict], k: int, cost: CostModel, seed: 
         cost = cost.at_temperature(trace_temperature(steps))
     fv, fd = cost.mean_factor("target_verify"), cost.mean_factor("draft_forward")  # sums: the spread's mean
     outcome = [None, *_neural_tokens(steps, k, seed)]  # per step: accepted + 1 per row (none for the first)
+    times = [0.0] * len(steps)  # each step's end on the projected clock
     for n in range(count_from + 1, len(steps)):
         prev, row_tokens = steps[n - 1]["rows"], outcome[n]
         pb, b = len(prev), len(row_tokens)
@@ -178,7 +213,11 @@ def project_spec(engine: str, steps: list[dict], k: int, cost: CostModel, seed: 
                 else cost.overhead("vllm_draft_model", b))
         tokens += sum(row_tokens)
         seconds += fv * cost.verify_s(b, 1 + k) + draft + host
-    return _summary(engine, len(steps[0]["rows"]) if steps else 0, int(tokens), seconds)
+        times[n] = seconds
+    per_request = per_request_rate(steps, times, [[0] * len(steps[0]["rows"]) if steps else [], *outcome[1:]],
+                                   count_from)
+    return _summary(engine, len(steps[0]["rows"]) if steps else 0, int(tokens), seconds,
+                    {"per_request_tokens_per_s": per_request})
 
 
 def project_ar(batch: int, cost: CostModel) -> dict:

@@ -92,6 +92,9 @@ class ReplayResult:
     seconds: float = 0.0
     steps: int = 0
     per_step: list[dict] = dataclasses.field(default_factory=list)  # status per row, plan, depth
+    #: per step: the replay's clock at its end (0 until the counted steps) and each row's committed tokens
+    step_times: list[float] = dataclasses.field(default_factory=list)
+    row_tokens: list[list[int]] = dataclasses.field(default_factory=list)
     hits_by_depth: Counter = dataclasses.field(default_factory=Counter)
     lookups_by_depth: Counter = dataclasses.field(default_factory=Counter)
     budgets: Counter = dataclasses.field(default_factory=Counter)
@@ -159,10 +162,13 @@ class SSDReplay:
         roots = self._send_rounds(n, rows, status, fast)
         self.clock.next_request(len(rows), self._served)
         self._predraft(n, roots)
+        committed = [tokens[i] if s in LOOKED_UP else 0 for i, s in enumerate(status)]
         if self._counting:
-            self.result.tokens += sum(tokens[i] for i, s in enumerate(status) if s in LOOKED_UP)
+            self.result.tokens += sum(committed)
             self.result.seconds += self.clock.period(n, verify_s, late_s, self._prev_answer_s)
             self.result.steps += 1
+        self.result.step_times.append(self.result.seconds)
+        self.result.row_tokens.append(committed)
         self._prev_answer_s = answer_s
         self.result.per_step.append({"status": status, "depth": depth, "verify_s": verify_s, "late_s": late_s,
                                      "answer_s": answer_s, "plan": self._plan_log})
