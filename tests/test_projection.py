@@ -547,6 +547,95 @@ def test_ssds_verification_beside_its_predraft_is_its_own_factor(tmp_path):
         assert clock.round(1, None)[0] == pytest.approx(verify_s)
 
 
+def test_ssds_draft_forwards_have_their_own_spread(tmp_path):
+    """Where the drafter shares hardware with the target, SSD's forwards (beside the verification) run slower
+    than `sync`'s (2026-12-06 evening: 1.2-1.5x the timed model against 1.1-1.25x): the spread is kept per
+    mode, `sync` and `draft_model` take `draft_forward` (the `sync` runs'), the SSD replay's clock draws from
+    `draft_forward.ssd`; with runs of one mode only, both are theirs; the key survives the JSON."""
+    from saguaro_vllm.drafter.predictor import StepCostModel
+    from saguaro_vllm.projection.calibrate import jitter_from_traces
+
+    sync = _write_trace(tmp_path / "sync.jsonl", _timed_steps(10, 0.1, 0.01))
+    ssd = [_write_trace(tmp_path / f"ssd{i}.jsonl", _timed_steps(n, 0.1, f), "async")
+           for i, (n, f) in enumerate(((20, 0.013), (8, 0.015)))]
+    cost = CostModel({1: {6.0: 0.1}}, StepCostModel(0.01, 0.0), {}, {"target_verify": "x", "draft_forward": "y"})
+    jitter = jitter_from_traces([sync, *ssd], cost)
+    assert statistics.mean(jitter["draft_forward"]) == pytest.approx(1.0)
+    assert statistics.mean(jitter["draft_forward.ssd"]) == pytest.approx(1.4)  # each run weighing the same
+    only_ssd = jitter_from_traces(ssd, cost)
+    assert statistics.mean(only_ssd["draft_forward"]) == pytest.approx(1.4) == statistics.mean(
+        only_ssd["draft_forward.ssd"])
+    assert set(jitter_from_traces([sync], cost)) == {"target_verify", "draft_forward"}
+
+    cost.jitter = jitter
+    for k in jitter:
+        cost.sources[f"jitter.{k}"] = "measured"
+    again = CostModel.from_json(cost.to_json())
+    assert statistics.mean(again.jitter["draft_forward.ssd"]) == pytest.approx(1.4, abs=1e-3)
+    glue = [ModelClock(again, seed=i).glue_forward(1, [_Rnd()])[2] for i in range(40)]
+    assert min(glue) >= 0.0129 and max(glue) <= 0.0151  # SSD's runs' forwards, not `sync`'s (0.01)
+    again.jitter.pop("draft_forward.ssd")
+    assert ModelClock(again, seed=0).glue_forward(1, [_Rnd()])[2] == pytest.approx(0.01, abs=1e-4)
+
+
+class _Rnd:
+    """A round as the clock's glue forward reads it: a neural round of 5 drafts."""
+    k, fast = 5, False
+
+
+def _predraft_steps(rows: list[int], host_s: float, row_s: float, branch_s: float = 0.01) -> list[dict]:
+    """An SSD trace at batch 1 whose round i plans 5 branch steps of `rows[i]` rows and is cut short after 3
+    by the next request: that request's verify_s + late_s = glue + 3 branch steps + the pre-draft's time
+    beyond its forwards (host_s + row_s per branch row). Step 0's verification holds the prompt's prefill."""
+    steps = []
+    for i, r in enumerate(rows):
+        busy = 0.01 + 3 * branch_s + host_s + row_s * rows[i - 1] if i else 0.9
+        steps.append({"step": i, "rows": [{"id": "q", "st": "new" if i == 0 else "hit", "a": 2, "k": 5, "new": 3,
+                                           "served": 5}],
+                      "verify_s": busy - 0.002 if i else busy, "late_s": 0.002 if i else 0.0,
+                      "fwd": [["glue", 1, 1, 0.01]] + [["branch", r, r, branch_s]] * 3, "answer_s": 0.001,
+                      "pre": {"plan": [r, 5], "pays": True, "k": 5, "batch": 1, "steps_done": 3}})
+    return steps
+
+
+def test_the_predrafts_time_beyond_its_forwards_is_measured_and_spent(tmp_path):
+    """The pre-draft's planning, candidates and forks (and a trace's recording of candidates) take time
+    beyond its forwards: in the demo-pair traces of 2026-12-06/07 about 5.7 ms + 0.2 ms per branch row (9 ms
+    at batch 1, ~50 ms at batch 16). It is measured from the rounds the next request cut short (busy from
+    the answer to that request), fitted per round and branch row (own costs and `calibrate` alike), and the
+    replay's clock spends it before the branch steps, which then fit fewer steps into a verification."""
+    from saguaro_vllm.projection.calibrate import overheads_from_traces
+    from saguaro_vllm.projection.cost_model import predraft_host_samples
+
+    steps = _predraft_steps([8, 40] * 6, 0.006, 0.0002)
+    samples = predraft_host_samples(steps)
+    assert len(samples) == 11  # the last round has no request after it
+    assert {r for r, _ in samples} == {8, 40}
+    assert all(sec == pytest.approx(0.006 + 0.0002 * r) for r, sec in samples)
+    finished = [dict(s, pre={**s["pre"], "steps_done": 5}) for s in steps]  # idle time unknown: no sample
+    assert predraft_host_samples(finished) == []
+    own = from_trace({"mode": "async"}, steps)
+    assert own.overheads["predraft_step_s"] == pytest.approx(0.006)
+    assert own.overheads["predraft_row_s"] == pytest.approx(0.0002)
+    overheads, _ = overheads_from_traces([_write_trace(tmp_path / "a.jsonl", steps, "async")], None)
+    assert overheads["predraft_step_s"] == pytest.approx(0.006) and overheads["predraft_row_s"] == pytest.approx(0.0002)
+    assert CostModel.from_json(own.to_json()).overheads["predraft_row_s"] == pytest.approx(0.0002)
+
+    from saguaro_vllm.drafter.predictor import StepCostModel
+
+    def steps_done(overheads: dict) -> int:
+        cost = CostModel({1: {6.0: 0.105}}, StepCostModel(0.01, 0.0), overheads, {"target_verify": "x"})
+        clock = ModelClock(cost)
+        clock.next_request(1, [5])
+        clock.glue_forward(1, [_Rnd()])
+        return clock.round(1, {"roots": ["r"], "steps": 20, "rows": 40})[2]["steps_done"]
+
+    # 105 ms of verification, a 10 ms glue, 10 ms branch steps (the last one started runs on: lateness): 10
+    # without the pre-draft's own time, 9 after 6 ms + 40 x 0.2 ms of it
+    assert steps_done({}) == 10
+    assert steps_done({"predraft_step_s": 0.006, "predraft_row_s": 0.0002}) == 9
+
+
 def test_a_sync_projection_replays_under_its_temperatures_verification(tmp_path):
     """A sampled `sync` trace is projected with the sampled verification, a greedy one with the greedy; the
     sync drafter records each row's temperature for it. vLLM's engines keep the curve (their own path)."""

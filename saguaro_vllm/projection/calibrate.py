@@ -12,7 +12,8 @@
   the proposer's and the transport's share), and SSD's verification beside its pre-draft over that
   (`drafting_factors`, per batch); `--no-by-temperature`: one proposer overhead per step pooled over the
   traces instead;
-- host overheads from traces of real runs: the drafter's answer time beyond its forwards (per step and row).
+- host overheads from traces of real runs: the drafter's answer time beyond its forwards (per step and row)
+  and the pre-draft's time beyond its forwards (per round and branch row, from SSD rounds cut short).
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from pathlib import Path
 
 from saguaro_vllm.drafter.predictor import StepCostModel
 from saguaro_vllm.drafter.trace import BRANCH, read_trace
-from saguaro_vllm.projection.cost_model import (CostModel, from_trace, mean_curve, verifications,
-                                                 verify_samples)
+from saguaro_vllm.projection.cost_model import (CostModel, from_trace, mean_curve, predraft_host_samples,
+                                                 verifications, verify_samples)
 
 logger = logging.getLogger("saguaro_vllm.projection")
 
@@ -202,12 +203,15 @@ def drafting_factors(traces: list[str], cost: CostModel) -> dict[int, float]:
 
 
 def overheads_from_traces(traces: list[str], verify: dict | None) -> tuple[dict[str, float], str]:
-    """Drafter answer host time beyond forwards (fitted per step and row) and, with a target verify curve,
-    the proposer's and the transport's share of the drafter-seen verification (mean per step)."""
-    answer, extra = [], []
+    """Drafter answer host time beyond forwards (fitted per step and row), the pre-draft's time beyond its
+    forwards (per round and branch row, from the SSD rounds cut short: `predraft_host_samples`) and, with a
+    target verify curve, the proposer's and the transport's share of the drafter-seen verification (mean
+    per step)."""
+    answer, extra, pre = [], [], []
     probe = CostModel(verify, StepCostModel(0.0, 0.0), {}, {}) if verify else None
     for path in traces:
         _, steps = read_trace(path)
+        pre += predraft_host_samples(steps)
         for s in steps:
             if "answer_s" in s:
                 fwd = sum(f[3] for f in s.get("fwd", []) if f[0] == "now")
@@ -218,6 +222,9 @@ def overheads_from_traces(traces: list[str], verify: dict | None) -> tuple[dict[
     if answer:
         fit = StepCostModel.fit([(b, max(0.0, s)) for b, s in answer])
         out["drafter_step_s"], out["drafter_row_s"] = fit.fixed_s, fit.per_row_s
+    if len(pre) >= 3:
+        fit = StepCostModel.fit(pre)
+        out["predraft_step_s"], out["predraft_row_s"] = max(0.0, fit.fixed_s), max(0.0, fit.per_row_s)
     if extra:
         out["proposer_step_s"] = max(0.0, statistics.mean(extra))
     return out, f"measured in {len(traces)} trace(s): " + ", ".join(Path(t).name for t in traces)
@@ -261,25 +268,33 @@ def jitter_from_traces(traces: list[str], cost: CostModel) -> dict[str, list[flo
     """The spread of real runs around the model: each traced verification (as the drafter saw it) over the
     model's verification plus proposer overhead, each traced draft forward over the model's forward, pooled
     with each run weighing the same (`pooled_spread`). Their mean also carries the load of the machine
-    during the runs into the model."""
-    verify, forward = [], []
+    during the runs into the model.
+
+    The draft forward's spread is taken per mode: `draft_forward` from the `sync` runs (their drafter works
+    while the target waits), `draft_forward.ssd` from the SSD runs, whose drafter works beside the target's
+    verification (glue and branch steps) and, where the two share hardware, runs slower: on the 2-core
+    machine of 2026-12-06 evening SSD's forwards at batch 1 were 1.2-1.5x the model where `sync`'s were
+    1.1-1.25x, and one pooled level projected SSD at batch 1, T > 0 15-20 % fast. Without `sync` runs the
+    SSD runs give both."""
+    verify, forward, ssd_forward = [], [], []
     at_temp: dict[float, CostModel] = {}
     for path in traces:
         header, steps = read_trace(path)
-        forward.append([f[3] / max(cost.branch_step_s(f[1], s.get("pre", {}).get("batch", 1)) if f[0] == BRANCH
-                                   else cost.forward_s(f[1], f[2]), 1e-9)
-                        for s in steps for f in s.get("fwd", [])])
+        ssd = header.get("mode") == "async"  # the model of SSD's verification holds the drafting factor
+        (ssd_forward if ssd else forward).append(
+            [f[3] / max(cost.branch_step_s(f[1], s.get("pre", {}).get("batch", 1)) if f[0] == BRANCH
+                        else cost.forward_s(f[1], f[2]), 1e-9) for s in steps for f in s.get("fwd", [])])
         # decode steps only (`verifications`: a new row's verification also holds its prompt's prefill)
         samples = verifications(steps, with_temperature=True)
         for t in {x[3] for x in samples} - at_temp.keys():
             at_temp[t] = cost.at_temperature(t)
-        ssd = header.get("mode") == "async"  # the model of SSD's verification holds the drafting factor
         run = [v / ((cost.drafting_factor(b) if ssd else 1.0)
                     * (at_temp[t].verify_s(b, tpr) + at_temp[t].overhead("proposer", b)))
                for b, tpr, v, t in samples]
         verify.append(run)
-    return {k: v for k, v in (("target_verify", pooled_spread(verify)), ("draft_forward", pooled_spread(forward)))
-            if v}
+    return {k: v for k, v in (("target_verify", pooled_spread(verify)),
+                              ("draft_forward", pooled_spread(forward or ssd_forward)),
+                              ("draft_forward.ssd", pooled_spread(ssd_forward))) if v}
 
 
 def calibrate(out: str, draft: str | None = None, verify_curve: str | None = None, traces: list[str] = (),

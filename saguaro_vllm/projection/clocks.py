@@ -1,7 +1,8 @@
 """The replay's clocks: where the times the policy sees come from (projection/replay.py).
 
 `TraceClock` answers with what the trace recorded (the live run's own cost model, to the microsecond);
-`ModelClock` computes every time from a `CostModel` on a virtual timeline: the answer is sent at 0, the
+`ModelClock` computes every time from a `CostModel` on a virtual timeline (its draft forwards drawn from the
+spread of SSD's own runs where the model has one, `draft_forward.ssd`): the answer is sent at 0, the
 pre-draft's forwards (glue, then the planned branch steps) run back to back, the next request arrives after
 the modelled verification (times the model's `drafting_factor` of the batch: the pre-draft runs beside it,
 which slows it where the drafter shares hardware with the target), and a forward in flight when it arrives finishes first (the
@@ -77,17 +78,22 @@ class ModelClock:
         factors = self.cost.jitter.get(kind)
         return seconds * self.rng.choice(factors) if factors else seconds
 
+    #: the draft forward's spread this clock draws from: SSD's own where the model has one
+    @property
+    def _draft_kind(self) -> str:
+        return "draft_forward.ssd" if "draft_forward.ssd" in self.cost.jitter else "draft_forward"
+
     def _forward(self, tokens: int, logits: int) -> float:
-        return self._spread("draft_forward", self.cost.forward_s(tokens, logits))
+        return self._spread(self._draft_kind, self.cost.forward_s(tokens, logits))
 
     def round(self, n: int, plan: dict | None) -> tuple[float, float, dict]:
         t = self.glue_s
         forwards: list[Forward] = []
         late = max(0.0, t - self.arrival)
         if plan is not None:
-            t += self.cost.overhead("predraft")
+            t += self.cost.overhead("predraft", plan["rows"])
             while len(forwards) < plan["steps"] and (t < self.arrival or self.finish_predraft):
-                step_s = self._spread("draft_forward", self.cost.branch_step_s(plan["rows"], len(plan["roots"])))
+                step_s = self._spread(self._draft_kind, self.cost.branch_step_s(plan["rows"], len(plan["roots"])))
                 t += step_s
                 forwards.append((plan["rows"], plan["rows"], step_s))
             late = max(late, t - self.arrival)

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from saguaro_vllm.drafter.predictor import StepCostModel
-from saguaro_vllm.drafter.trace import BRANCH
+from saguaro_vllm.drafter.trace import BRANCH, GLUE
 
 SCHEMA = 1
 #: Host overheads of the cost model (seconds), each {"value": ..., "source": ...}; missing ones count as 0.
@@ -31,13 +31,17 @@ OVERHEADS = {
     "proposer_row_s": "the same per row",
     "drafter_step_s": "per step, the drafter's answer host time beyond its draft forwards",
     "drafter_row_s": "the same per row",
-    "predraft_step_s": "per round, the pre-draft's host time before its first branch step beyond the glue forward",
+    "predraft_step_s": "per round, the pre-draft's time beyond its forwards (planning, candidates, the branches' "
+                       "admission: what comes before and between its branch steps)",
+    "predraft_row_s": "the same per branch row planned (each branch's fork and candidate)",
     "vllm_draft_model_step_s": "vLLM draft_model: per step, host time of its in-process drafting beyond the forwards",
 }
 
 
-#: Times that may carry a measured spread (`CostModel.jitter`).
-JITTER = ("target_verify", "draft_forward")
+#: Times that may carry a measured spread (`CostModel.jitter`): "draft_forward.ssd" is the draft forward in
+#: SSD's runs, whose drafter works beside the target (where it shares hardware with it, slower than in
+#: `sync`'s); the SSD replay draws from it where the model has it, else from "draft_forward".
+JITTER = ("target_verify", "draft_forward", "draft_forward.ssd")
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -270,6 +274,27 @@ def mean_curve(sums: dict[tuple[int, float], list[float]]) -> dict[int, dict[flo
     return verify
 
 
+def predraft_host_samples(steps: list[dict]) -> list[tuple[int, float]]:
+    """(branch rows planned, seconds) of the pre-draft's time beyond its forwards, in each round whose branch
+    steps the next request cut short: the drafter was busy from its answer until it took that request, so
+    the verification it saw plus its lateness, less the glue and the branch steps, is the rest (planning,
+    candidates, the branches' forks, and with a trace its recording of candidates: in the demo-pair
+    traces of 2026-12-06/07 about 5.7 ms + 0.2 ms per branch row, 9 ms at batch 1 and ~50 ms at batch 16,
+    which a replay without it spent on branch steps: batch-16 hit rates +0.08 over the live ones under the
+    runs' own costs). A round that finished its steps before the request came gives no sample (its idle
+    time is unknown), nor does a verification that holds a prompt's prefill."""
+    out = []
+    for prev, s in zip(steps, steps[1:]):
+        pre, fwd = prev.get("pre", {}), prev.get("fwd", [])
+        branch = [f for f in fwd if f[0] == BRANCH]
+        if (not pre.get("pays") or not branch or "plan" not in pre or pre.get("steps_done", 0) >= pre["plan"][1]
+                or not s.get("verify_s") or any(r.get("st") == "new" for r in s["rows"])):
+            continue
+        busy = s["verify_s"] + s.get("late_s", 0.0) - sum(f[3] for f in fwd if f[0] in (GLUE, BRANCH))
+        out.append((branch[0][1], max(0.0, busy)))
+    return out
+
+
 def from_trace(header: dict, steps: list[dict], name: str = "fitted from the trace") -> CostModel:
     """The cost model a trace itself measured: the draft forward fitted to its forwards, the verification
     (as the drafter saw it: target + proposer + transport) by batch and tokens per row sent, the answer's host
@@ -294,10 +319,16 @@ def from_trace(header: dict, steps: list[dict], name: str = "fitted from the tra
               "target_verify": [v / verify[b][t] for (b, t), vs in sums.items() for v in vs if verify[b][t] > 0]}
     jitter = {k: v for k, v in jitter.items() if v}
     overheads = {"drafter_step_s": max(0.0, sum(host) / len(host)) if host else 0.0}
+    pre = predraft_host_samples(steps)
+    if len(pre) >= 3:
+        fit = StepCostModel.fit(pre)
+        overheads["predraft_step_s"], overheads["predraft_row_s"] = max(0.0, fit.fixed_s), max(0.0, fit.per_row_s)
     sources = {"target_verify": src + ": the drafter's verify_s (mean per batch and tokens per row)",
                "draft_forward": src + ": least squares over its forwards but the branch steps",
                "branch_forward": src + ": least squares of its branch steps beyond their requests' own rows "
                                        "against their further rows", "drafter_step_s": src,
+               "predraft_step_s": src + ": rounds cut short, least squares against the branch rows planned",
+               "predraft_row_s": src + ": rounds cut short, least squares against the branch rows planned",
                "jitter.target_verify": src + ": each verification over its mean",
                "jitter.draft_forward": src + ": each forward over the fit"}
     return CostModel(verify or {1: {1.0: 0.0}}, draft, overheads, sources, name, jitter, branch=branch)
