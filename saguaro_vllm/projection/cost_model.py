@@ -280,9 +280,9 @@ def predraft_host_samples(steps: list[dict]) -> list[tuple[int, float]]:
     the verification it saw plus its lateness, less the glue and the branch steps, is the rest (planning,
     candidates, the branches' forks, and with a trace its recording of candidates: in the demo-pair
     traces of 2026-12-06/07 about 5.7 ms + 0.2 ms per branch row, 9 ms at batch 1 and ~50 ms at batch 16,
-    which a replay without it spent on branch steps: batch-16 hit rates +0.08 over the live ones under the
-    runs' own costs). A round that finished its steps before the request came gives no sample (its idle
-    time is unknown), nor does a verification that holds a prompt's prefill."""
+    which a replay without it spends on branch steps). A round that finished its steps before the request
+    came gives no sample (its idle time is unknown), nor does a verification that holds a prompt's
+    prefill."""
     out = []
     for prev, s in zip(steps, steps[1:]):
         pre, fwd = prev.get("pre", {}), prev.get("fwd", [])
