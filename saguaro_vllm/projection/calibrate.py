@@ -17,6 +17,7 @@
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import statistics
@@ -26,9 +27,22 @@ from pathlib import Path
 from saguaro_vllm.drafter.predictor import StepCostModel
 from saguaro_vllm.drafter.trace import BRANCH, read_trace
 from saguaro_vllm.projection.cost_model import (CostModel, from_trace, mean_curve, predraft_host_samples,
-                                                 verifications, verify_samples)
+                                                 predraft_overheads, verifications, verify_samples)
 
 logger = logging.getLogger("saguaro_vllm.projection")
+
+
+@functools.lru_cache(maxsize=32)
+def _read_version(path: str, mtime_ns: int, size: int) -> tuple[dict, list[dict]]:
+    return read_trace(path)
+
+
+def _read(path: str | Path) -> tuple[dict, list[dict]]:
+    """`read_trace`, once per file version: a calibration reads every trace for several of its parts (the
+    mode, the temperature and drafting factors, the overheads, the spread), each a full decompress and
+    parse until 2026-12-07. Callers must not change what it returns."""
+    st = Path(path).stat()
+    return _read_version(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
 
 
 def step_s(runner, prefix: int, rows: int, reps: int) -> float:
@@ -145,7 +159,7 @@ MIN_SAMPLES = 5
 def plain_traces(traces: list[str]) -> list[str]:
     """The traces whose drafter waits during the verification (`sync`), or all where there is none: what
     the verification per temperature and batch is measured on (`drafting_factors` has SSD's)."""
-    return [t for t in traces if read_trace(t)[0].get("mode") == "sync"] or list(traces)
+    return [t for t in traces if _read(t)[0].get("mode") == "sync"] or list(traces)
 
 
 def temperature_factors(traces: list[str], verify: dict) -> dict[float, dict[int, float]]:
@@ -159,7 +173,7 @@ def temperature_factors(traces: list[str], verify: dict) -> dict[float, dict[int
     probe = CostModel(verify, StepCostModel(0.0, 0.0), {}, {})
     ratios: dict[tuple[float, int], list[float]] = {}
     for path in traces:
-        _, steps = read_trace(path)
+        _, steps = _read(path)
         sums: dict[tuple[float, int], list[float]] = {}  # per (the step's temperature, batch)
         for b, tpr, v, temp in verifications(steps, with_temperature=True):
             acc = sums.setdefault((temp, b), [0.0, 0.0, 0])
@@ -187,7 +201,7 @@ def drafting_factors(traces: list[str], cost: CostModel) -> dict[int, float]:
     ratios: dict[int, list[float]] = {}
     at_temp: dict[float, CostModel] = {}
     for path in traces:
-        header, steps = read_trace(path)
+        header, steps = _read(path)
         if header.get("mode") != "async":
             continue
         samples = verifications(steps, with_temperature=True)
@@ -210,7 +224,7 @@ def overheads_from_traces(traces: list[str], verify: dict | None) -> tuple[dict[
     answer, extra, pre = [], [], []
     probe = CostModel(verify, StepCostModel(0.0, 0.0), {}, {}) if verify else None
     for path in traces:
-        _, steps = read_trace(path)
+        _, steps = _read(path)
         pre += predraft_host_samples(steps)
         for s in steps:
             if "answer_s" in s:
@@ -222,9 +236,7 @@ def overheads_from_traces(traces: list[str], verify: dict | None) -> tuple[dict[
     if answer:
         fit = StepCostModel.fit([(b, max(0.0, s)) for b, s in answer])
         out["drafter_step_s"], out["drafter_row_s"] = fit.fixed_s, fit.per_row_s
-    if len(pre) >= 3:
-        fit = StepCostModel.fit(pre)
-        out["predraft_step_s"], out["predraft_row_s"] = max(0.0, fit.fixed_s), max(0.0, fit.per_row_s)
+    out.update(predraft_overheads(pre))
     if extra:
         out["proposer_step_s"] = max(0.0, statistics.mean(extra))
     return out, f"measured in {len(traces)} trace(s): " + ", ".join(Path(t).name for t in traces)
@@ -279,7 +291,7 @@ def jitter_from_traces(traces: list[str], cost: CostModel) -> dict[str, list[flo
     verify, forward, ssd_forward = [], [], []
     at_temp: dict[float, CostModel] = {}
     for path in traces:
-        header, steps = read_trace(path)
+        header, steps = _read(path)
         ssd = header.get("mode") == "async"  # the model of SSD's verification holds the drafting factor
         (ssd_forward if ssd else forward).append(
             [f[3] / max(cost.branch_step_s(f[1], s.get("pre", {}).get("batch", 1)) if f[0] == BRANCH
@@ -311,7 +323,7 @@ def calibrate(out: str, draft: str | None = None, verify_curve: str | None = Non
                                     + ", ".join(f"{p['rows']}: {1e3 * p['s']:.2f} ms" for p in points))
         sources["branch_forward"] = (f"measured here: {Path(draft).name}, branches forked at 256 tokens, rows "
                                      + ", ".join(f"{p['rows']}: {1e3 * p['s']:.2f} ms" for p in forked))
-    base = from_trace(*read_trace(traces[0])) if traces else None
+    base = from_trace(*_read(traces[0])) if traces else None
     if not draft:
         fit, sources["draft_forward"] = base.draft, base.sources["draft_forward"]
         if base.branch is not None:
@@ -322,7 +334,7 @@ def calibrate(out: str, draft: str | None = None, verify_curve: str | None = Non
     elif base is not None:  # pooled over every trace: the verification as the drafters saw it
         sums: dict = {}
         for path in traces:
-            verify_samples(read_trace(path)[1], sums)
+            verify_samples(_read(path)[1], sums)
         verify = mean_curve(sums)
         sources["target_verify"] = (f"measured in {len(traces)} trace(s): the drafter's verify_s (target + "
                                     "proposer + transport), mean per batch and tokens per row")

@@ -66,6 +66,8 @@ class ModelClock:
         self.rng = random.Random(seed)
         self.arrival = 0.0  # the next request's arrival after the answer: the verification the drafter sees
         self.glue_s = 0.0
+        # the draft forward's spread this clock draws from: SSD's own runs' where the model has one
+        self._draft_kind = "draft_forward.ssd" if "draft_forward.ssd" in cost.jitter else "draft_forward"
 
     def next_request(self, batch: int, served: list[int]) -> None:
         """The answer is out: the verification of `batch` rows with `served` drafts each starts."""
@@ -77,11 +79,6 @@ class ModelClock:
     def _spread(self, kind: str, seconds: float) -> float:
         factors = self.cost.jitter.get(kind)
         return seconds * self.rng.choice(factors) if factors else seconds
-
-    #: the draft forward's spread this clock draws from: SSD's own where the model has one
-    @property
-    def _draft_kind(self) -> str:
-        return "draft_forward.ssd" if "draft_forward.ssd" in self.cost.jitter else "draft_forward"
 
     def _forward(self, tokens: int, logits: int) -> float:
         return self._spread(self._draft_kind, self.cost.forward_s(tokens, logits))

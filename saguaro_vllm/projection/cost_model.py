@@ -295,6 +295,14 @@ def predraft_host_samples(steps: list[dict]) -> list[tuple[int, float]]:
     return out
 
 
+def predraft_overheads(samples: list[tuple[int, float]]) -> dict[str, float]:
+    """`predraft_step_s` and `predraft_row_s` fitted to `predraft_host_samples` (none from fewer than 3)."""
+    if len(samples) < 3:
+        return {}
+    fit = StepCostModel.fit(samples)
+    return {"predraft_step_s": fit.fixed_s, "predraft_row_s": fit.per_row_s}
+
+
 def from_trace(header: dict, steps: list[dict], name: str = "fitted from the trace") -> CostModel:
     """The cost model a trace itself measured: the draft forward fitted to its forwards, the verification
     (as the drafter saw it: target + proposer + transport) by batch and tokens per row sent, the answer's host
@@ -319,10 +327,7 @@ def from_trace(header: dict, steps: list[dict], name: str = "fitted from the tra
               "target_verify": [v / verify[b][t] for (b, t), vs in sums.items() for v in vs if verify[b][t] > 0]}
     jitter = {k: v for k, v in jitter.items() if v}
     overheads = {"drafter_step_s": max(0.0, sum(host) / len(host)) if host else 0.0}
-    pre = predraft_host_samples(steps)
-    if len(pre) >= 3:
-        fit = StepCostModel.fit(pre)
-        overheads["predraft_step_s"], overheads["predraft_row_s"] = max(0.0, fit.fixed_s), max(0.0, fit.per_row_s)
+    overheads.update(predraft_overheads(predraft_host_samples(steps)))
     sources = {"target_verify": src + ": the drafter's verify_s (mean per batch and tokens per row)",
                "draft_forward": src + ": least squares over its forwards but the branch steps",
                "branch_forward": src + ": least squares of its branch steps beyond their requests' own rows "
