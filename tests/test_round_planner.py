@@ -291,3 +291,43 @@ def test_observing_ranks_keeps_one_statistics_object_per_temperature(monkeypatch
     for i in range(50):
         planner.observe_rank(0.7 if i % 2 else 0.0, i % 3, 5, i % 7)
     assert len(made) == 2 and len(planner.outcomes) == 2
+
+
+def _request_forward_s(rows: int) -> float:
+    """A request's own forward on the 2-core machine of 2026-12-07 (batch 16, T=0.7): ~28 ms + 2.8 ms/row."""
+    return 0.028 + 0.0028 * rows
+
+
+def test_branch_steps_are_costed_by_their_forked_rows():
+    """A branch row shares its request's KV: beyond the requests' own rows a branch step costs what its
+    measured steps add per further row (~0.7 ms here), not a request row's 2.8 ms: costed like request rows,
+    3 branches per request fit a 0.95 s verification at batch 16 where 9 do. Until 2026-12-07 one fit over
+    every forward mixed the two, and its cost per row followed how many branch steps its window held. The
+    requests' own cost model (glue, jit drafts, backups) is left as their forwards measured it."""
+    planner = RoundPlanner({})
+    for rows in (1, 4, 8, 12, 16):
+        planner.record_forward(rows, _request_forward_s(rows))
+    planner.observe_round(1.0, 0.01, ran_branches=True)
+    assert planner.branch_step_s(planner.cost_model(), 16) is None  # no branch step measured yet
+    # costed like request rows, and grown from the largest forward measured (16 rows, GROWTH)
+    assert (planner.plan(16, 5).branches, planner.plan(16, 5).steps) == (2, 5)
+
+    def branch_forward_s(rows: int) -> float:  # measured branch steps over 16 requests
+        return _request_forward_s(16) + 0.008 + 0.0007 * (rows - 16)
+
+    for rows in (48, 80, 128):
+        planner.record_forward(rows, branch_forward_s(rows), parents=16)
+    cost = planner.cost_model()
+    assert cost.step_s(16) == pytest.approx(_request_forward_s(16))  # the branch steps left it alone
+    step_s = planner.branch_step_s(cost, 16)
+    for rows in (16, 64, 144):
+        assert step_s(rows) == pytest.approx(branch_forward_s(rows))
+    plan = planner.plan(16, 5)
+    assert (plan.branches, plan.steps) == (9, 5)
+    # the plan fits the verification under the branch steps' real cost, and one more branch would not;
+    # costed like request rows, 3 would have fitted
+    glue = cost.step_s(16)
+    assert glue + 5 * branch_forward_s(16 * 9) <= PLAN_SAFETY * 1.0 < glue + 5 * branch_forward_s(16 * 10)
+    assert glue + 5 * cost.step_s(16 * 3) <= PLAN_SAFETY * 1.0 < glue + 5 * cost.step_s(16 * 4)
+    # a branch step of its own (batch 1) is costed from its own request's row
+    assert planner.branch_step_s(cost, 1)(8) == pytest.approx(_request_forward_s(1) + 0.008 + 0.0007 * 7)

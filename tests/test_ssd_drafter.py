@@ -103,6 +103,11 @@ def test_greedy_answers_equal_the_draft_continuation(draft_model, advance):
         assert statuses.count("hit") > 0 and statuses.count("jit") > 0, statuses
         if advance == "random":
             assert any(s["cut_short"] for s in run_rounds.ssd_stats)
+        # the branch steps' timings went to the branch-row cost, each with the requests it forked from
+        branch_steps = list(drafter.planner.branch_costs)
+        assert branch_steps and all(p == min(3, rows) for rows, p, _ in branch_steps), branch_steps
+        assert max(rows for rows, _, _ in branch_steps) == 3 * 6
+        assert drafter.planner.branch_step_s(drafter.planner.cost_model(), 3) is not None
     else:
         assert "hit" not in statuses
     drafter.step(StepRequest(99, [], ["a", "b", "c"]))

@@ -16,7 +16,7 @@ depth, and how many in all.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -481,7 +481,7 @@ class OutcomeStats:
 
 def plan_predraft(verify_s: float, cost: StepCostModel, batch_size: int, k: int, alpha: float,
                   r: float = DEFAULT_R, max_branches: int = 64, ranks: RankEstimate | None = None,
-                  max_rows: int | None = None) -> PreDraftPlan:
+                  max_rows: int | None = None, branch_step_s: Callable[[int], float] | None = None) -> PreDraftPlan:
     """The pre-drafting plan (branches M per request, steps s) that saves the most critical-path draft
     steps: every feasible plan (glue + s steps over batch x M rows within `verify_s`) is scored by
     P(hit | M) x s, since a hit on a branch of s < K tokens still needs K - s steps on the critical path
@@ -491,6 +491,8 @@ def plan_predraft(verify_s: float, cost: StepCostModel, batch_size: int, k: int,
     170 ms to fill, 5 steps fit 19 branches. With 100 ms, 5 steps fit none, 4 steps fit 1 branch (score
     0.18 x 4), 3 steps fit 12 (score ~0.98 x 3): 12 branches of 3 steps. `max_rows` caps the rows of a
     branch step (batch x M), so that a plan is not built on a cost model extrapolated far past its data.
+    `branch_step_s(rows)`: what a branch step of `rows` rows forked from the batch's requests takes, where
+    measured (`RoundPlanner.branch_step_s`); default `cost.step_s(rows)`, every row costed like a request's.
 
     >>> plan = plan_predraft(0.170, StepCostModel(0.020, 0.0005), batch_size=1, k=5, alpha=0.7)
     >>> plan.branches, plan.steps, round(plan.hit_rate, 3)
@@ -503,11 +505,12 @@ def plan_predraft(verify_s: float, cost: StepCostModel, batch_size: int, k: int,
         raise ValueError(f"need batch_size, k, max_branches >= 1; got {batch_size}, {k}, {max_branches}")
     ranks = ranks or RankEstimate()
     glue_s = cost.step_s(batch_size)
+    branch_step_s = branch_step_s or cost.step_s
     hit_rate: dict[int, float] = {}  # P(hit | m branches): the same for every depth tried
     best, best_score = PreDraftPlan(0, 0, 0.0), 0.0
     for steps in range(k, 0, -1):
         for m in range(1, max_branches + 1):
-            if glue_s + steps * cost.step_s(batch_size * m) > verify_s or (max_rows and batch_size * m > max_rows):
+            if glue_s + steps * branch_step_s(batch_size * m) > verify_s or (max_rows and batch_size * m > max_rows):
                 break
             if m not in hit_rate:
                 hit_rate[m] = expected_hit_rate(allocate_fanout(m, alpha, k, r), alpha, ranks)

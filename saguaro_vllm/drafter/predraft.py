@@ -94,7 +94,7 @@ class PreDrafter:
                 rows = run.live_rows
                 run.step()  # ends with its tokens' transfer to the host: the forward is done on any device
                 seconds = time.perf_counter() - s0
-                self.planner.record_forward(rows, seconds)
+                self.planner.record_forward(rows, seconds, parents=min(len(roots), rows))
                 if trace is not None:
                     trace.forward(rows, rows, seconds)
                 yield

@@ -326,8 +326,9 @@ class SSDReplay:
         plan = self._predraft_plan
         if plan is None or pre is None:
             return
+        parents = len(plan["roots"])
         for f in pre["forwards"]:
-            self.planner.record_forward(f[0], f[2], logits=f[1])
+            self.planner.record_forward(f[0], f[2], logits=f[1], parents=min(parents, f[0]))
         for rid in plan["roots"]:
             if rid in self.rounds:
                 self.rounds[rid].steps_done = pre["steps_done"]
