@@ -34,6 +34,11 @@ bench: setup
 	$(PY) benchmarks/validate_projection.py --batch-sizes 1,4,16 --temperatures 0,0.7,1.0 --max-tokens 256 \
 		--traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4b16-256 --ar-batch-sizes 1,4,16 \
 		--verify-curve benchmarks/results/$$(date +%F)-verify-curve.json --name validate-projection-b1b4b16-256
+	$(PY) benchmarks/validate_projection.py --batch-sizes 1,4,16 --temperatures 0,0.7,1.0 --max-tokens 256 \
+		--traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4b16-256-repeat --record-only
+	$(PY) benchmarks/repeatability.py --traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4b16-256 \
+		benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4b16-256-repeat \
+		--validation benchmarks/results/$$(date +%F)-validate-projection-b1b4b16-256.json
 	$(PY) benchmarks/validate_projection.py --batch-sizes 1 --modes async --temperatures 0,0.7,1.0 --k 8 \
 		--max-tokens 256 --traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1-256-k8 --record-only
 	$(PY) benchmarks/gpu_cost_models.py

@@ -61,6 +61,34 @@ def validation_lines(data: dict) -> list[str]:
     return out + [""]
 
 
+def repeatability_lines(data: dict) -> list[str]:
+    """`repeatability.py`: the same cells run more than once here, against the validation's bars."""
+    out = [f"**Repeatability of the measurement** (`{data['_file']}`; command `{data.get('command', '')}`): the "
+           "same cells (same code, prompts and settings) run again on this machine, each run measured like the "
+           "validation's; a cell whose runs differ by more than the bars cannot be projected within them from any "
+           f"one run. Machine: {data.get('machine', {}).get('cpu', '?')}. {data.get('note') or ''}".rstrip(), "",
+           "| mode | batch | T | runs | tokens/s | spread | hit rates | range | runs within the bars of each other "
+           "| projected: error against the runs' mean (tokens/s; hit rate) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in data["cells"]:
+        tokens = ", ".join(f"{x['tokens_per_s']:.2f}" for x in c["measured"])
+        hits = ", ".join(f"{x['hit_rate']:.3f}" for x in c["measured"] if x.get("hit_rate") is not None) or "-"
+        p = c.get("projected")
+        versus = "-" if p is None else (f"{_pct(p['error_vs_mean'])}"
+                                         + (f"; {p['hit_rate_error_vs_mean']:+.3f}" if "hit_rate_error_vs_mean" in p else "")
+                                         + (" (within)" if p["within_bars"] else ""))
+        out.append(f"| {c['mode']} | {c['batch']} | {c['temperature']:g} | {c['runs']} | {tokens} | "
+                   f"{_pct(c.get('tokens_spread'))} | {hits} | {c.get('hit_rate_range', '-')} | "
+                   f"{'yes' if c.get('within_bars') else 'no'} | {versus} |")
+    within = sum(1 for c in data["cells"] if c.get("within_bars"))
+    out += ["", f"{within} of {len(data['cells'])} cells repeat within the bars."]
+    versus = data.get("against_validation")
+    if versus:
+        out[-1] += (f" Against the mean of each cell's runs, the projection of `{versus['validation']}` is within "
+                    f"the bars in {versus['within_bars']} of {versus['cells']} cells.")
+    return out + [""]
+
+
 def projection_lines(data: dict) -> list[str]:
     out = [f"**Projection** (`{data['_file']}`; command `{data['command']}`): {data['note']}. Tokens/s per "
            "sequence; a batch above 1 repeats the trace's rows.", "",
@@ -117,6 +145,9 @@ def section() -> list[str]:
            "validation below reproduces what this machine measured.", ""]
     if validation is not None:
         out += validation_lines(validation)
+    repeat = _newest("*-repeatability*.json")
+    if repeat is not None:
+        out += repeatability_lines(repeat)
     if projection is not None:
         out += projection_lines(projection)
     if deeper is not None:

@@ -419,3 +419,46 @@ def test_validation_section_shows_the_crossover_and_where_the_calibration_came_f
     text = "\n".join(projection.validation_lines(data))
     assert "1 of 1 cells within the bars" in text and "other prompts (sync b4 T=0)" in text
     assert "| 4 | 19.00 | 20.00 | +5.3 % | no / yes (25.00 / 18.00) | yes / no (15.00 / 21.00) |" in text
+
+
+def test_repeatability_measures_each_run_like_the_validation_and_spreads_them():
+    """`repeatability.py` over two stored validations' trace directories (the same 18 cells, 2026-12-06
+    evening and 2026-12-07 night): each run measured as its validation measured it, the spread per cell,
+    and the page's table."""
+    repeat = _load("repeatability")
+    projection = _load("report_projection")
+    traces = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "traces"
+    results = traces.parent
+    roots = [traces / "2026-12-06-demo-pair-b1b4b16-256-covfloor", traces / "2026-12-07-demo-pair-b1b4b16-256"]
+    validations = [json.loads((results / name).read_text())["cells"] for name in
+                   ("2026-12-06-validate-projection-b1b4b16-256-covfloor.json",
+                    "2026-12-07-validate-projection-b1b4b16-256-heldout.json")]
+    cells = repeat.cells(roots)
+    assert len(cells) == 18 and all(c["runs"] == 2 for c in cells)
+    for c in cells:
+        key = (c["mode"], c["batch"], c["temperature"])
+        for run, validated in zip(c["measured"], validations, strict=True):
+            v = next(x for x in validated if (x["mode"], x["batch"], x["temperature"]) == key)
+            assert run["tokens_per_s"] == pytest.approx(v["measured"]["tokens_per_s"])
+            assert run["hit_rate"] == v["measured"].get("hit_rate")
+    sync_b4 = next(c for c in cells if (c["mode"], c["batch"], c["temperature"]) == ("sync", 4, 0.7))
+    assert sync_b4["tokens_spread"] == pytest.approx(28.95 / 23.42 - 1, abs=1e-3) and not sync_b4["within_bars"]
+    assert "hit_rate_range" not in sync_b4
+    ssd_b1 = next(c for c in cells if (c["mode"], c["batch"], c["temperature"]) == ("async", 1, 0.0))
+    assert ssd_b1["within_bars"] and ssd_b1["hit_rate_range"] < 0.01
+    assert repeat.spread([{"tokens_per_s": 10.0, "hit_rate": 0.5}, {"tokens_per_s": 10.5, "hit_rate": 0.58}]) == {
+        "runs": 2, "tokens_per_s_mean": 10.25, "tokens_spread": 0.05, "hit_rate_mean": 0.54,
+        "hit_rate_range": 0.08, "within_bars": False}
+    text = "\n".join(projection.repeatability_lines({"_file": "r.json", "cells": cells}))
+    assert "| sync | 4 | 0.7 | 2 | 28.95, 23.42 | +23.6 % | - | - | no | - |" in text
+    assert f"{sum(c['within_bars'] for c in cells)} of 18 cells repeat within the bars." in text
+    # a validation's projection against the mean of each cell's runs
+    versus = repeat.against_validation(cells, {"_file": "v.json", "cells": validations[1]})
+    ssd_b1 = next(c for c in cells if (c["mode"], c["batch"], c["temperature"]) == ("async", 1, 0.0))
+    v = next(x for x in validations[1] if (x["mode"], x["batch"], x["temperature"]) == ("async", 1, 0.0))
+    assert ssd_b1["projected"]["error_vs_mean"] == pytest.approx(
+        v["projected"]["tokens_per_s"] / ((29.18 + 29.75) / 2) - 1, abs=2e-3)
+    assert ssd_b1["projected"]["hit_rate_error_vs_mean"] == pytest.approx(v["projected"]["hit_rate"] - 0.9646, abs=1e-3)
+    assert versus["cells"] == 18 and versus["within_bars"] == sum(c["projected"]["within_bars"] for c in cells)
+    text = "\n".join(projection.repeatability_lines({"_file": "r.json", "cells": cells, "against_validation": versus}))
+    assert f"the projection of `v.json` is within the bars in {versus['within_bars']} of 18 cells" in text
