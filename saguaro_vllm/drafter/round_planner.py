@@ -158,8 +158,8 @@ class RoundPlanner:
         the measured branch steps add beyond that (fitted over their further rows, at least proportional,
         like `StepCostModel.fit_forwards`); None before three branch steps are measured (`plan` then costs
         every row like a request's). A forked row shares its request's KV: on the 2-core machine of
-        2026-12-07, batch 16, T=0.7, a request's own forward cost ~2.8 ms per row (16 rows 70 ms, one 28 ms)
-        and a branch step ~1 ms per further row (128 rows over 16 requests 160 ms). One fit over both kinds
+        2026-12-07, batch 16, T=0.7, a forward of the requests' own rows cost ~2.9 ms per row (16 rows 70 ms,
+        one 28 ms) and a branch step of 128 rows over the 16 requests 160 ms. One fit over both kinds
         of forward said 1.2 ms per row where the branch steps were in the planner's window and 2.7 ms where
         few were (a run that had skipped them): the same trace replayed under its own costs branched in 27 %
         of the rounds against 55 % live and hit 0.07 against 0.16."""
