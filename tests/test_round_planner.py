@@ -331,3 +331,24 @@ def test_branch_steps_are_costed_by_their_forked_rows():
     assert glue + 5 * cost.step_s(16 * 3) <= PLAN_SAFETY * 1.0 < glue + 5 * cost.step_s(16 * 4)
     # a branch step of its own (batch 1) is costed from its own request's row
     assert planner.branch_step_s(cost, 1)(8) == pytest.approx(_request_forward_s(1) + 0.008 + 0.0007 * 7)
+
+
+def test_cost_fits_are_kept_until_their_samples_change():
+    """A round asks for the cost models several times between forwards (plan, pays, backups, depth): the
+    fits are reused while their samples are the same, and redone when a forward is recorded or the samples
+    are replaced."""
+    planner = RoundPlanner({})
+    for rows in (1, 4, 16):
+        planner.record_forward(rows, _request_forward_s(rows))
+    for rows in (48, 80, 128):
+        planner.record_forward(rows, _request_forward_s(16) + 0.0007 * (rows - 16), parents=16)
+    cost = planner.cost_model()
+    assert planner.cost_model() is cost and planner.branch_step_s(cost, 16)(64) == planner.branch_step_s(cost, 16)(64)
+    planner.record_forward(8, _request_forward_s(8) + 0.005)  # a new sample: a new fit
+    assert planner.cost_model() is not cost and planner.cost_model() != cost
+    planner.costs.clear()
+    planner.costs.extend([(1, 1, 0.010), (2, 2, 0.011), (4, 4, 0.013)])  # replaced: fitted again
+    assert planner.cost_model().step_s(1) == pytest.approx(0.010)
+    before = planner.branch_step_s(planner.cost_model(), 16)(64)
+    planner.record_forward(64, 0.5, parents=16)  # a slow branch step moves the branch fit
+    assert planner.branch_step_s(planner.cost_model(), 16)(64) > before

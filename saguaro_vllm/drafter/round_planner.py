@@ -82,6 +82,10 @@ class RoundPlanner:
         self.costs: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=COST_SAMPLES)
         #: measured pre-draft branch steps: (rows, requests they were forked from, seconds)
         self.branch_costs: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=COST_SAMPLES)
+        #: the last fits and the samples they were fitted on: a round asks for them several times (plan,
+        #: pays, backups, depth) between forwards, and a fit of 64 samples takes ~0.4-0.5 ms of host time
+        self._cost_fit: tuple[tuple, StepCostModel | None] = ((), None)
+        self._branch_fit: tuple[tuple, StepCostModel | None] = ((), None)
         self.verify_s: float | None = None
         #: what the answer waits for a pre-draft forward in flight, in rounds that ran branch steps
         self.late_s: float | None = None
@@ -150,7 +154,12 @@ class RoundPlanner:
 
     def cost_model(self) -> StepCostModel | None:
         """The requests' own forwards (glue, jit drafts, top-ups) fitted; None before three are measured."""
-        return StepCostModel.fit_forwards(list(self.costs)) if len(self.costs) >= 3 else None
+        if len(self.costs) < 3:
+            return None
+        samples = tuple(self.costs)
+        if samples != self._cost_fit[0]:
+            self._cost_fit = (samples, StepCostModel.fit_forwards(samples))
+        return self._cost_fit[1]
 
     def branch_step_s(self, cost: StepCostModel, parents: int) -> Callable[[int], float] | None:
         """Seconds of a branch step of `rows` rows forked from `parents` requests, as a function of `rows`:
@@ -165,8 +174,11 @@ class RoundPlanner:
         of the rounds against 55 % live and hit 0.07 against 0.16."""
         if len(self.branch_costs) < 3:
             return None
-        extra = StepCostModel.fit_forwards([(rows - p, 0, seconds - cost.forward_s(p, p))
-                                            for rows, p, seconds in self.branch_costs])
+        key = (cost, tuple(self.branch_costs))
+        if key != self._branch_fit[0]:
+            self._branch_fit = (key, StepCostModel.fit_forwards([(rows - p, 0, seconds - cost.forward_s(p, p))
+                                                                 for rows, p, seconds in self.branch_costs]))
+        extra = self._branch_fit[1]
         own = cost.forward_s(parents, parents)
         return lambda rows: own + extra.fixed_s + extra.per_row_s * max(0, rows - parents)
 
