@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import RESULTS, machine_info  # noqa: E402
-from validate_projection import trace_of  # noqa: E402
+from validate_projection import stored_cells, trace_of  # noqa: E402
 
 from saguaro_vllm.drafter.trace import read_trace  # noqa: E402
 from saguaro_vllm.projection.engines import measured, segment_starts  # noqa: E402
@@ -39,10 +39,8 @@ HIT_BAR = 0.05
 def runs_of(root: Path) -> list[dict]:
     """Every cell a trace directory holds, measured like `validate_projection.compare` (the last group of
     requests, after the worker's warm-up)."""
-    cells = json.loads((root / "cells.json").read_text())
     out = []
-    for cell in cells:
-        cell["trace_dir"] = str(root / Path(cell["trace_dir"]).name)
+    for cell in stored_cells(root):
         header, steps = read_trace(trace_of(cell))
         starts = segment_starts(steps)
         m = measured(header, steps, starts[-1] if starts else 0)

@@ -88,6 +88,16 @@ def record(a, target: str, draft: str, prompts: list[str], trace_root: Path,
     return cells
 
 
+def stored_cells(root: Path) -> list[dict]:
+    """The cells a trace directory's cells.json lists (none without one), their trace directories under
+    `root` (the directory may have moved since, e.g. kept under benchmarks/results/traces/)."""
+    cells_file = root / "cells.json"
+    cells = json.loads(cells_file.read_text()) if cells_file.exists() else []
+    for cell in cells:
+        cell["trace_dir"] = str(root / Path(cell["trace_dir"]).name)
+    return cells
+
+
 def trace_of(cell: dict) -> Path:
     files = sorted(Path(cell["trace_dir"]).glob("trace-*.jsonl.gz"), key=lambda p: p.stat().st_mtime)
     if not files:
@@ -155,9 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     def cells_in(root: Path, group: list[str], temperatures: str) -> list[dict]:
         """The cells `root` holds (run now where missing), those asked for."""
         cells_file = root / "cells.json"
-        cells = json.loads(cells_file.read_text()) if cells_file.exists() else []
-        for cell in cells:  # the directory may have moved since (e.g. kept under benchmarks/results/traces/)
-            cell["trace_dir"] = str(root / Path(cell["trace_dir"]).name)
+        cells = stored_cells(root)
         added = record(a, target, draft, group, root, {(c["mode"], c["batch"], c["temperature"]) for c in cells},
                        temperatures)
         if added:  # cells the directory did not hold yet (all of them for a new one)
