@@ -90,7 +90,7 @@ def record(a, target: str, draft: str, prompts: list[str], trace_root: Path,
 
 def stored_cells(root: Path) -> list[dict]:
     """The cells a trace directory's cells.json lists (none without one), their trace directories under
-    `root` (the directory may have moved since, e.g. kept under benchmarks/results/traces/)."""
+    `root` (the directory may have moved since, e.g. copied into tests/fixtures/traces/)."""
     cells_file = root / "cells.json"
     cells = json.loads(cells_file.read_text()) if cells_file.exists() else []
     for cell in cells:

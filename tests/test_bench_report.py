@@ -422,19 +422,19 @@ def test_validation_section_shows_the_crossover_and_where_the_calibration_came_f
 
 
 def test_repeatability_measures_each_run_like_the_validation_and_spreads_them():
-    """`repeatability.py` over two stored validations' trace directories (the same 18 cells, 2026-12-06
-    evening and 2026-12-07 night): each run measured as its validation measured it, the spread per cell,
-    and the page's table."""
+    """`repeatability.py` over two stored validations' trace directories (tests/fixtures/traces: the sync
+    cells and the SSD cells at batch 1 of each, 12 of their 18 cells): each run measured as its validation
+    measured it, the spread per cell, and the page's table."""
     repeat = _load("repeatability")
     projection = _load("report_projection")
-    traces = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "traces"
-    results = traces.parent
+    traces = ROOT / "tests" / "fixtures" / "traces"
+    results = ROOT / "benchmarks" / "results"
     roots = [traces / "2026-12-06-demo-pair-b1b4b16-256-covfloor", traces / "2026-12-07-demo-pair-b1b4b16-256"]
     validations = [json.loads((results / name).read_text())["cells"] for name in
                    ("2026-12-06-validate-projection-b1b4b16-256-covfloor.json",
                     "2026-12-07-validate-projection-b1b4b16-256-heldout.json")]
     cells = repeat.cells(roots)
-    assert len(cells) == 18 and all(c["runs"] == 2 for c in cells)
+    assert len(cells) == 12 and all(c["runs"] == 2 for c in cells)
     for c in cells:
         key = (c["mode"], c["batch"], c["temperature"])
         for run, validated in zip(c["measured"], validations, strict=True):
@@ -451,7 +451,7 @@ def test_repeatability_measures_each_run_like_the_validation_and_spreads_them():
         "hit_rate_range": 0.08, "within_bars": False}
     text = "\n".join(projection.repeatability_lines({"_file": "r.json", "cells": cells}))
     assert "| sync | 4 | 0.7 | 2 | 28.95, 23.42 | +23.6 % | - | - | no | - |" in text
-    assert f"{sum(c['within_bars'] for c in cells)} of 18 cells repeat within the bars." in text
+    assert f"{sum(c['within_bars'] for c in cells)} of 12 cells repeat within the bars." in text
     # a validation's projection against the mean of each cell's runs
     versus = repeat.against_validation(cells, {"_file": "v.json", "cells": validations[1]})
     ssd_b1 = next(c for c in cells if (c["mode"], c["batch"], c["temperature"]) == ("async", 1, 0.0))
@@ -459,6 +459,6 @@ def test_repeatability_measures_each_run_like_the_validation_and_spreads_them():
     assert ssd_b1["projected"]["error_vs_mean"] == pytest.approx(
         v["projected"]["tokens_per_s"] / ((29.18 + 29.75) / 2) - 1, abs=2e-3)
     assert ssd_b1["projected"]["hit_rate_error_vs_mean"] == pytest.approx(v["projected"]["hit_rate"] - 0.9646, abs=1e-3)
-    assert versus["cells"] == 18 and versus["within_bars"] == sum(c["projected"]["within_bars"] for c in cells)
+    assert versus["cells"] == 12 and versus["within_bars"] == sum(c["projected"]["within_bars"] for c in cells)
     text = "\n".join(projection.repeatability_lines({"_file": "r.json", "cells": cells, "against_validation": versus}))
-    assert f"the projection of `v.json` is within the bars in {versus['within_bars']} of 18 cells" in text
+    assert f"the projection of `v.json` is within the bars in {versus['within_bars']} of 12 cells" in text
