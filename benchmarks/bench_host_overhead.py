@@ -78,7 +78,7 @@ def measure(model_path: str, batch: int, budget: int, temperature: float, rounds
 
     gc.collect()
     gc.freeze()  # as the drafter server does once loaded (drafter/server.py)
-    from device_rounds import count_forwards  # this folder is on sys.path when run as a script
+    from device_rounds import count_forwards  # tests/, put on sys.path above
 
     forwards = count_forwards(runner)
     model_s = [0.0]  # seconds inside the model's forward and LM head (kernels: device work on a GPU)

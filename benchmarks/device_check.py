@@ -8,7 +8,7 @@ does not stop the others; the JSON is rewritten after each part, so a killed run
 - `nvcc` (in the background from the start): every CUDA source compiled with nvcc (tests/test_ops_build.py);
 - `build_ops`: the saguaro ops built (CPU + CUDA) and loaded; `loader.summary()` per device;
 - `rounds` / `rounds_graphs`: `SSDDrafter` rounds on a random Llama-3.2-1B-shaped bf16 draft at batch 1, 16
-  and 64 with fan-out budgets 8 and 32, without and with CUDA graphs (benchmarks/device_rounds.py): glue,
+  and 64 with fan-out budgets 8 and 32, without and with CUDA graphs (tests/device_rounds.py): glue,
   branch-step, jit and answer times, hits, jit misses, transfers per forward, the planner's fan-out, and
   which attention ran (with why vLLM's kernels did not, where they did not);
 - `op_tests`: the op tests on CUDA (and CPU); `triton_attention`: the project's Triton branch attention
@@ -102,7 +102,7 @@ def part_build_ops(args) -> tuple[str, str | None, dict]:
 def part_rounds(args) -> tuple[str, str | None, dict]:
     import torch
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "tests"))
     import device_rounds
 
     from saguaro_vllm.drafter import vllm_attention

@@ -1,6 +1,6 @@
 """The drafter without vLLM, pyzmq, msgspec or pydantic (a GPU machine with torch alone, the GPU check's
 setting): in a subprocess where importing any of them raises ImportError, `SSDDrafter` rounds run on a random
-draft (benchmarks/device_rounds.py), hit and miss, and none of those packages got imported."""
+draft (tests/device_rounds.py), hit and miss, and none of those packages got imported."""
 from __future__ import annotations
 
 import json
@@ -23,7 +23,7 @@ class Blocker(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Blocker())
 for name in BLOCKED:
     sys.modules.pop(name, None)
-sys.path.insert(0, {bench!r})
+sys.path.insert(0, {tests!r})
 import torch
 import device_rounds
 from saguaro_vllm.shared import transport
@@ -43,7 +43,7 @@ print(json.dumps({{"rows": rows, "loaded": loaded, "channel": channel,
 
 
 def test_drafter_rounds_run_without_vllm_zmq_msgspec_pydantic():
-    code = SCRIPT.format(blocked=BLOCKED, bench=str(ROOT / "benchmarks"))
+    code = SCRIPT.format(blocked=BLOCKED, tests=str(ROOT / "tests"))
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]

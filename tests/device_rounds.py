@@ -1,6 +1,7 @@
 """`SSDDrafter` rounds on a random-weight draft, in-process, with torch alone (no vLLM, pyzmq or msgspec).
 
-Used by `device_check.py` (the GPU check) and `tests/test_drafter_standalone.py`. Each configuration (batch,
+A test helper, not a test: used by `tests/test_drafter_standalone.py`, by benchmarks/device_check.py (the GPU
+check) and by benchmarks/bench_host_overhead.py. Each configuration (batch,
 fan-out budget, CUDA graphs on/off) prefills random prompts, then runs rounds: the pre-draft (glue forward,
 then branch steps) and an answer whose rows all hit the speculation cache (even rounds) or all miss and are
 drafted just in time (odd rounds). With `cuda_graphs`, one-token forwards take the static decode path and
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 K = 5
 SHAPES = {  # random Llama weights of these shapes (no checkpoint)
     "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
@@ -65,7 +65,7 @@ def make_runner(model, num_blocks: int, cuda_graphs: bool):
 
 def _transfer_counter(device_type: str):
     """tests/sync_count.py's counter, restricted to tensors on `device_type` (on CUDA only those sync)."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from sync_count import CountTransfers
 
     class DeviceTransfers(CountTransfers):
