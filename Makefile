@@ -20,7 +20,11 @@ test-fast: setup
 # vocabularies, the drafter's host overhead, every engine under `vllm bench serve` (concurrency 1-64, two
 # datasets, T=0 and 0.7) and the GPU projection (traces, validation, cost models; several more hours on 2 cores),
 # then docs/benchmarks.md and plots.
+# The date that names this run's result files and trace directories, fixed when make starts and passed to the
+# scripts (benchmarks/run.py: run_date), so a run that crosses midnight finds the files its earlier steps wrote.
+BENCH_DATE := $(or $(BENCH_DATE),$(shell date +%F))
 BENCH_CASES ?= cost-matrix temperature per-row-backup batch-sweep-32-64 cost-equal-cores raw-b1 sweep-scale sweep-scale-top-f1 finish-predraft
+bench: export BENCH_DATE := $(BENCH_DATE)
 bench: setup
 	for c in $(BENCH_CASES); do $(PY) benchmarks/run.py --case $$c || exit 1; done
 	$(PY) benchmarks/ceiling.py
@@ -32,19 +36,19 @@ bench: setup
 	$(PY) benchmarks/bench_serve.py --label matrix
 	$(PY) benchmarks/verify_curve.py --batch-sizes 1,4,16 --depths 0,1,3,5 --max-tokens 48
 	$(PY) benchmarks/validate_projection.py --batch-sizes 1,4,16 --temperatures 0,0.7,1.0 --max-tokens 256 \
-		--traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4b16-256 --ar-batch-sizes 1,4,16 \
-		--verify-curve benchmarks/results/$$(date +%F)-verify-curve.json --name validate-projection-b1b4b16-256
+		--traces benchmarks/results/traces/$(BENCH_DATE)-demo-pair-b1b4b16-256 --ar-batch-sizes 1,4,16 \
+		--verify-curve benchmarks/results/$(BENCH_DATE)-verify-curve.json --name validate-projection-b1b4b16-256
 	$(PY) benchmarks/validate_projection.py --batch-sizes 1,4,16 --temperatures 0,0.7,1.0 --max-tokens 256 \
-		--traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4b16-256-repeat --record-only
-	$(PY) benchmarks/repeatability.py --traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4b16-256 \
-		benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4b16-256-repeat \
-		--validation benchmarks/results/$$(date +%F)-validate-projection-b1b4b16-256.json
+		--traces benchmarks/results/traces/$(BENCH_DATE)-demo-pair-b1b4b16-256-repeat --record-only
+	$(PY) benchmarks/repeatability.py --traces benchmarks/results/traces/$(BENCH_DATE)-demo-pair-b1b4b16-256 \
+		benchmarks/results/traces/$(BENCH_DATE)-demo-pair-b1b4b16-256-repeat \
+		--validation benchmarks/results/$(BENCH_DATE)-validate-projection-b1b4b16-256.json
 	$(PY) benchmarks/validate_projection.py --batch-sizes 1 --modes async --temperatures 0,0.7,1.0 --k 8 \
-		--max-tokens 256 --traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1-256-k8 --record-only
+		--max-tokens 256 --traces benchmarks/results/traces/$(BENCH_DATE)-demo-pair-b1-256-k8 --record-only
 	$(PY) benchmarks/gpu_cost_models.py
-	$(PY) benchmarks/project_gpu.py --traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1b4b16-256 \
+	$(PY) benchmarks/project_gpu.py --traces benchmarks/results/traces/$(BENCH_DATE)-demo-pair-b1b4b16-256 \
 		--trace-glob 'async-b1-*/trace-*.jsonl.gz'
-	$(PY) benchmarks/project_gpu.py --traces benchmarks/results/traces/$$(date +%F)-demo-pair-b1-256-k8 \
+	$(PY) benchmarks/project_gpu.py --traces benchmarks/results/traces/$(BENCH_DATE)-demo-pair-b1-256-k8 \
 		--trace-glob 'async-b1-*/trace-*.jsonl.gz' --label gpu-k8
 	$(PY) benchmarks/report.py
 

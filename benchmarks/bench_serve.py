@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from run import engine_family, engine_pin, engine_specs, machine_info, ssd_figures  # noqa: E402
+from run import engine_family, engine_pin, engine_specs, machine_info, run_date, ssd_figures  # noqa: E402
 
 SERVED_NAME = "demo"
 ENGINES = "vllm-ar,vllm-draft_model,saguaro-sync,saguaro-async"
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = engine_specs(draft, [a.k], a.k, None, target_cores, draft_cores)
     engines = [(e, s) for e, s in specs.items() if engine_family(e) in a.engines]
     date = datetime.datetime.now(datetime.UTC)
-    result_dir = RESULTS / "serve" / f"{date:%Y-%m-%d}-{a.label}"
+    result_dir = RESULTS / "serve" / f"{run_date()}-{a.label}"
     result_dir.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
     total = len(engines) * len(a.cases) * len(a.concurrency)
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         "result_dir": str(result_dir.relative_to(ROOT)), "runtime_s": round(time.monotonic() - started, 1),
         "runs": runs, "summary": merge(runs),
     }
-    path = RESULTS / f"{date:%Y-%m-%d}-serve-{a.label}.json"
+    path = RESULTS / f"{run_date()}-serve-{a.label}.json"
     runtime = out["runtime_s"]
     if a.extend:
         path = a.extend

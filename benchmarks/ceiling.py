@@ -24,7 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import RESULTS, engine_specs, machine_info, run_one  # noqa: E402
+from run import RESULTS, engine_specs, machine_info, run_date, run_one  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
            "command": " ".join(sys.argv), "placement": "target on core 0; Saguaro drafter on core 1; the oracle "
            "has no drafter", "results": results, "summary": summary}
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{datetime.date.today()}-ceiling.json"
+    path = RESULTS / f"{run_date()}-ceiling.json"
     path.write_text(json.dumps(out, indent=1))
     for name, s in summary.items():
         print(f"{name:34s} {s['tok_s_per_seq']:8.2f} tok/s/seq  accept len {s['mean_acceptance_length']:.2f}")

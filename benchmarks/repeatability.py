@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import RESULTS, machine_info  # noqa: E402
+from run import RESULTS, machine_info, run_date  # noqa: E402
 from validate_projection import stored_cells, trace_of  # noqa: E402
 
 from saguaro_vllm.drafter.trace import read_trace  # noqa: E402
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
            "bars": {"tokens": TOKENS_BAR, "hit_rate": HIT_BAR}, "traces": a.traces, "cells": rows,
            **({"against_validation": versus} if versus else {})}
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{datetime.date.today()}-{a.name}.json"
+    path = RESULTS / f"{run_date()}-{a.name}.json"
     path.write_text(json.dumps(out, indent=1))
     plot(rows, path.with_suffix(".png"))
     print(f"saved {path} and {path.with_suffix('.png').name}")

@@ -36,6 +36,12 @@ from tqdm import tqdm
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def run_date() -> str:
+    """The date that names a result file: `BENCH_DATE` where set (`make bench` sets it once, so the files
+    one step writes and a later step reads keep the date the run started, past midnight too), else today's."""
+    return os.environ.get("BENCH_DATE") or datetime.date.today().isoformat()
+
+
 # ------------------------------------------------------------------------------------------- engines
 
 def engine_specs(draft: str, k_draft_model: list[int], k_saguaro: int, saguaro_options: dict | None = None,
@@ -361,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results, "summary": summarize(results),
     }
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{datetime.date.today()}-{name}.json"
+    path = RESULTS / f"{run_date()}-{name}.json"
     path.write_text(json.dumps(out, indent=1))
     print(f"\n{'engine':40s} {'case':10s} {'tok/s/seq':>10s} {'accept len':>10s} {'hit rate':>9s}")
     for key, s in out["summary"].items():

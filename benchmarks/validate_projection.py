@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import RESULTS, engine_specs, machine_info, run_one  # noqa: E402
+from run import RESULTS, engine_specs, machine_info, run_date, run_one  # noqa: E402
 
 from saguaro_vllm.drafter.trace import read_trace  # noqa: E402
 from saguaro_vllm.projection.calibrate import jitter_from_traces  # noqa: E402
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if curve is None and not a.verify_from_traces:
         subprocess.run([sys.executable, str(Path(__file__).parent / "verify_curve.py"), "--batch-sizes",
                         a.batch_sizes, "--depths", "0,1,3,5", "--max-tokens", "48"], check=True)
-        curve = str(RESULTS / f"{datetime.date.today()}-verify-curve.json")
+        curve = str(RESULTS / f"{run_date()}-verify-curve.json")
     # stored traces keep the cost model they were validated with; a re-validation's model is in its result
     cost_path = (Path(tempfile.mkdtemp(prefix="saguaro-cost-")) if reused else trace_root) / "cost-model.json"
     traces = [str(trace_of(c)) for c in (calibration or cells)]
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
            "calibration": [{k: c[k] for k in ("mode", "batch", "temperature", "run")} for c in calibration],
            "calibrated_from": "calibration runs on other prompts" if calibration else "the validated traces"}
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{datetime.date.today()}-{a.name}.json"
+    path = RESULTS / f"{run_date()}-{a.name}.json"
     path.write_text(json.dumps(out, indent=1))
     print(f"saved {path}")
     return 0 if all(r["within_bars"] for r in rows) and all(x["agrees"] for x in crossover) else 1

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ceiling import record_greedy  # noqa: E402
-from run import RESULTS, machine_info, run_one  # noqa: E402
+from run import RESULTS, machine_info, run_date, run_one  # noqa: E402
 
 IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
            "placement": "every engine pinned whole to core 0; the oracle drafter has no process",
            "points": points}
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{datetime.date.today()}-verify-curve.json"
+    path = RESULTS / f"{run_date()}-verify-curve.json"
     path.write_text(json.dumps(out, indent=1))
     plot(points, IMG / "verify-curve.png")
     print(f"saved {path} and {IMG / 'verify-curve.png'}")
