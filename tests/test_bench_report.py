@@ -24,6 +24,25 @@ run = _load("run")
 report = _load("report")
 
 
+def test_make_bench_names_one_run_by_one_date(monkeypatch):
+    """`make bench` fixes BENCH_DATE once and exports it: every path its steps read names that date (none asks
+    `date` again), and the scripts name their result files by it."""
+    import subprocess
+
+    proc = subprocess.run(["make", "-n", "bench", "BENCH_DATE=2001-02-03"], cwd=ROOT, capture_output=True,
+                          text=True, check=True)
+    assert "date +" not in proc.stdout
+    assert "traces/2001-02-03-demo-pair-b1b4b16-256 " in proc.stdout
+    assert "results/2001-02-03-verify-curve.json" in proc.stdout
+    assert "results/2001-02-03-validate-projection-b1b4b16-256.json" in proc.stdout
+    monkeypatch.setenv("BENCH_DATE", "2001-02-03")
+    assert run.run_date() == "2001-02-03"
+    monkeypatch.delenv("BENCH_DATE")
+    import datetime
+
+    assert run.run_date() == datetime.date.today().isoformat()
+
+
 def test_cases_are_valid_run_options():
     cases = json.loads((ROOT / "benchmarks" / "cases.json").read_text())
     for name in (k for k in cases if not k.startswith("_")):
