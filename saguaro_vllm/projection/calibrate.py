@@ -4,7 +4,7 @@
   of 3 interleaved passes (`least_disturbed`), each fitted like the drafter's own online model
   (`StepCostModel.fit_forwards`): requests' own rows (`distinct_step_s`: jit drafts, `sync`, the glue) and a
   pre-draft's branch rows (`step_s`: N branches forked from one request, one token each, also used by
-  benchmarks/bench_draft_step.py), which share their prefix and cost far less per row on a CPU;
+  benchmarks/experiments/bench_draft_step.py), which share their prefix and cost far less per row on a CPU;
 - target verification by batch and tokens per row: a verify-curve JSON (benchmarks/verify_curve.py, vLLM's
   step with a free oracle drafter), or the drafter-seen verification of traces;
 - with a verify curve and traces, the verification per temperature and batch: the traces' drafter-seen

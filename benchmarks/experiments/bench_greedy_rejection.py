@@ -1,7 +1,7 @@
 """CPU time of vLLM's rejection sampler on an all-greedy batch: vLLM's own `forward` against the fast path of
 `saguaro_vllm/patches/greedy_rejection.py` (same inputs, same outputs checked), one torch thread.
 
-    .venv/bin/python benchmarks/bench_greedy_rejection.py --batch 16 64 --vocab 128256 --k 5 --reps 15 \
+    .venv/bin/python benchmarks/experiments/bench_greedy_rejection.py --batch 16 64 --vocab 128256 --k 5 --reps 15 \
         --out benchmarks/results/experiments/2026-12-06-greedy-rejection-cpu.json
 
 CPU time (`time.thread_time`, torch pinned to one thread so all the work is on this thread) is reported,

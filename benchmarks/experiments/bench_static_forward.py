@@ -7,8 +7,8 @@ instead of launching every kernel).
 Rows: batch 1, 16, 64 (decode / jit steps), and 2048 (a branch step at batch 64 x 32 branches, forks of 64
 parents sharing their prefix blocks). Contexts of 100..164 tokens. Median and minimum over repeats.
 
-    .venv/bin/python benchmarks/bench_static_forward.py                      # this tree
-    .venv/bin/python benchmarks/bench_static_forward.py --tree /tmp/before   # another tree's runner (dynamic only)
+    .venv/bin/python benchmarks/experiments/bench_static_forward.py                     # this tree
+    .venv/bin/python benchmarks/experiments/bench_static_forward.py --tree /tmp/before  # another tree (dynamic only)
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("SAGUARO_CACHE", Path.home() / ".cache" / "saguaro-vllm")) / "bench-host"
 
 

@@ -1,19 +1,22 @@
 """Times one drafter forward as the SSD pre-draft runs it: N branches forked from one request, one new token
 each, per matmul path of the draft's linear layers (`saguaro.linear`) and prefix length.
 
-Usage: python benchmarks/bench_draft_step.py [--draft DIR] [--core 1] [--prefix 200,1000] [--rows 1,6,13,24]
+Usage: python benchmarks/experiments/bench_draft_step.py [--draft DIR] [--core 1] [--prefix 200,1000] [--rows 1,6,13,24]
 Default draft: the demo pair's cost-matched draft (built by `saguaro-vllm make-demo-pair`).
-Results: benchmarks/results/<date>-draft-step.json and a table on stdout (median ms per forward).
+Results: benchmarks/results/experiments/<date>-draft-step.json and a table on stdout (median ms per forward).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
-from bench_ops import save_results
 from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for bench_ops
+from bench_ops import save_results  # noqa: E402
 
 
 def step_ms(runner, prefix: int, rows: int, reps: int) -> float:
@@ -33,7 +36,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,6,13,24")
     ap.add_argument("--core", type=int, default=(os.cpu_count() or 1) - 1, help="the core to pin to (-1: none)")
     ap.add_argument("--reps", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "experiments")
     args = ap.parse_args()
     if args.core >= 0:
         from saguaro_vllm.shared.placement import pin_process

@@ -3,20 +3,22 @@ and the hit rate of the product's policy at a fixed fan-out budget under a cost 
 
     # 1. traces: per temperature, P(a=j), the bonus token's rank among each depth's candidates, the draft's
     #    own probability mass of the top F candidates against the hit frequency, and the hit rate of fan-outs
-    .venv/bin/python benchmarks/predictor_analysis.py traces benchmarks/results/traces/2026-12-06-demo-pair-b1-256/async-b1-t1
+    .venv/bin/python benchmarks/experiments/predictor_analysis.py traces TRACE_DIR/async-b1-t1
     # 2. replay: the product's SSDReplay (RoundPlanner, OutcomeStats, ScaleChoice) under a cost model with
     #    `fanout_budget` fixed; a row hits when its recorded outcome is among the branches the policy planned
-    .venv/bin/python benchmarks/predictor_analysis.py replay TRACE_DIR... --budget 24 \\
+    .venv/bin/python benchmarks/experiments/predictor_analysis.py replay TRACE_DIR... --budget 24 \\
         --cost-model benchmarks/cost_models/h100-70b-tp4-1b.json
     # live: record an async trace of the demo pair (raw models, batch 1, 2 held-out prompts x 256 tokens) with
     #    the fan-out budget fixed and `finish_predraft` (every planned branch exists at lookup: the hit rate is
     #    the predictor's, not the timing's); `--fanout 5,5,4,3,3,4` fixes the list instead (the geometric
     #    shape at budget 24, α ≈ 0.7: the policy before OutcomeStats)
-    .venv/bin/python benchmarks/predictor_analysis.py record --temperature 0.7 --trace-dir TRACE_DIR [--scale 0.5]
+    .venv/bin/python benchmarks/experiments/predictor_analysis.py record --temperature 0.7 --trace-dir TRACE_DIR \\
+        [--scale 0.5]
     # 3. offline: the demo pair's target and draft distributions (p, q) along text the target samples at T;
     #    exact expectations (no sampling noise beyond the contexts) of acceptance, residual coverage by the
     #    top-F candidates, and per fan-out and Saguaro C the hit rate and tokens per round
-    .venv/bin/python benchmarks/predictor_analysis.py offline --temperatures 0.7,1.0 --prompts 24 --tokens 128
+    .venv/bin/python benchmarks/experiments/predictor_analysis.py offline --temperatures 0.7,1.0 --prompts 24 \\
+        --tokens 128
 
 Rounds in `offline` start at every position of the sampled text; depth j of a round is the position j
 later (target samples stand in for accepted drafts, whose distribution min(p, q')/beta differs a little).
@@ -148,7 +150,7 @@ def record(temperature: float, out: str, scale: str = "1.0", fanout: str | None 
            prompts: int = 2, tokens: int = 256, models: str = "raw") -> dict:
     import time
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for run
     from run import engine_specs, run_one
 
     from saguaro_vllm.demo import ensure_demo_pair
@@ -353,8 +355,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
         out = [analyse_offline(float(x), a.prompts, a.tokens, a.budget, a.verify_s, a.miss_s)
                for x in a.temperatures.split(",")]
-    doc = {"command": "python benchmarks/predictor_analysis.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "results": out}
+    args = sys.argv[1:] if argv is None else argv
+    doc = {"command": "python benchmarks/experiments/predictor_analysis.py " + " ".join(args), "results": out}
     text = json.dumps(doc, indent=1)
     if a.out:
         Path(a.out).write_text(text + "\n")

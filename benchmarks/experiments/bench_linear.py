@@ -12,22 +12,24 @@ request). Paths, all on the same random weight:
                     quantized per call): what `saguaro.linear: int8` uses
     int8-weight     aten::_weight_int8pack_mm (int8 weights, per-channel scales, bfloat16 activations)
 
-Usage: python benchmarks/bench_linear.py [--threads 1] [--rows 1,6,13,24]
-Results: benchmarks/results/<date>-linear.json and a table on stdout (median ms per call).
+Usage: python benchmarks/experiments/bench_linear.py [--threads 1] [--rows 1,6,13,24]
+Results: benchmarks/results/experiments/<date>-linear.json and a table on stdout (median ms per call).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from bench_ops import save_results, timeit
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for bench_ops
+from bench_ops import save_results, timeit  # noqa: E402
 
-from saguaro_vllm.drafter.model.linear_kernels import _int8_dynamic, int8_available
+from saguaro_vllm.drafter.model.linear_kernels import _int8_dynamic, int8_available  # noqa: E402
 
 SHAPES = {  # name: (out_features, in_features)
     "issue 12288x4096": (12288, 4096),
@@ -62,7 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1, help="the drafter's cores (1 in the CPU split placement)")
     ap.add_argument("--rows", default="1,6,13,24")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "experiments")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ Two CPU processes, one core each, over the same gloo group type vLLM's CPU backe
 - tokens: `[rows, K+1]` int32 (what `patches/tp_sampling.py` sends);
 - q: `[rows * K, vocab]` float32 (what every rank would need to verify with q itself).
 
-    python benchmarks/bench_tp_broadcast.py            # prints one JSON line per case
+    python benchmarks/experiments/bench_tp_broadcast.py            # prints one JSON line per case
 """
 from __future__ import annotations
 
