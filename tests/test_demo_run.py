@@ -1,7 +1,8 @@
-"""`make demo`'s comparison, without servers: the table it prints from two engines' phases."""
+"""`make demo`'s comparison, without servers: the table it prints from two engines' phases, the prompts it
+sends and the example it shows."""
 from __future__ import annotations
 
-from saguaro_vllm.tools.demo_run import Phase, comparison_lines, speculation_figures
+from saguaro_vllm.tools.demo_run import Phase, comparison_lines, demo_prompts, shown_example, speculation_figures
 
 
 def _phase(t, tokens, seconds, texts, **metrics):
@@ -30,3 +31,27 @@ def test_comparison_shows_speedup_hit_rate_and_greedy_equality():
 def test_speculation_figures_of_an_idle_phase_are_empty():
     f = speculation_figures({})
     assert f["hit_rate"] is None and f["acceptance_rate"] is None and f["mean_acceptance_length"] is None
+
+
+def test_demo_prompts_end_mid_line():
+    """The demo's prompts, cut from the held-out files as the demo pair's build cuts them (no training needed):
+    each is its snippet without the trailing newline, so the models' first token carries the next line's
+    indentation rather than following a lone newline (which they answered with blank lines)."""
+    from saguaro_vllm.demo.corpus import Corpus, snippets
+    from saguaro_vllm.demo.pipeline import HELDOUT_PROMPT_CHARS
+
+    heldout = list(snippets(Corpus.load().texts("heldout"), 8, HELDOUT_PROMPT_CHARS, seed=0))
+    assert all(p.endswith("\n") for p in heldout)
+    for snippet, prompt in zip(heldout, demo_prompts(heldout), strict=True):
+        assert prompt and not prompt[-1].isspace()
+        assert snippet.startswith(prompt) and not snippet[len(prompt):].strip()
+
+
+def test_shown_example_skips_blank_answers_and_trims_blank_lines():
+    prompts = ["    def a(self):", "    def b(self):"]
+    text = shown_example(prompts, ["\n\n  \n\n", "\n   \n        return self.b\n\n    def c(self):\n  \n"])
+    assert text == ("--- prompt (end) ---\n    def b(self):\n--- Saguaro's greedy answer ---\n"
+                    "        return self.b\n\n    def c(self):")
+    assert shown_example(prompts, ["x = 1", "y"], tail_chars=5) == (
+        "--- prompt (end) ---\nelf):\n--- Saguaro's greedy answer ---\nx = 1")
+    assert "whitespace only" in shown_example(prompts, ["\n\n", " \n"])

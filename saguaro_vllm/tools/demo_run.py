@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -89,6 +90,27 @@ def comparison_lines(plain: list[Phase], saguaro: list[Phase], k: int) -> list[s
     return lines
 
 
+def demo_prompts(heldout: list[str]) -> list[str]:
+    """The held-out snippets as the demo sends them: without their trailing newline.
+
+    A snippet ends at a line end. The byte-level BPE joins a newline with the next line's indentation into one
+    token, so in the training text a newline token on its own is followed by column-0 text or another newline
+    (an indented line follows it in under 4 % of cases); a prompt cut after the newline, whose next line is
+    indented, ends where the models rarely saw a token end, and they answer it with blank lines. Cut before
+    the newline, their first token is the newline with the next line's indentation, as in training."""
+    return [p.rstrip() for p in heldout]
+
+
+def shown_example(prompts: list[str], answers: list[str], tail_chars: int = 200) -> str:
+    """The prompt end and greedy answer the demo prints: the first answer with text on it, without its leading
+    blank lines and trailing whitespace (pure: testable without servers)."""
+    for prompt, answer in zip(prompts, answers):
+        if answer.strip():
+            shown = re.sub(r"\A(?:[ \t]*\n)+", "", answer).rstrip()
+            return f"--- prompt (end) ---\n{prompt[-tail_chars:]}\n--- Saguaro's greedy answer ---\n{shown}"
+    return f"--- Saguaro's greedy answers ---\n(all {len(answers)} are whitespace only)"
+
+
 def _measure(client, server, prompts: list[str], temperature: float, max_tokens: int) -> Phase:
     phase = Phase(temperature)
     before = metric_values(server.metrics_text())
@@ -157,7 +179,7 @@ def run_demo(config: Path = REPO_CONFIG, max_tokens: int = 64, num_prompts: int 
     print(f"[demo] demo pair: {pair.root} (linked at {link})")
     spec = json.loads(config.read_text())
     k = spec["num_speculative_tokens"]
-    prompts = pair.heldout_prompts(num_prompts)
+    prompts = demo_prompts(pair.heldout_prompts(num_prompts))
     cpus = current_cores()
     target = link / "target-cost"
     with tempfile.TemporaryDirectory(prefix="saguaro-demo-") as tmp:
@@ -168,7 +190,7 @@ def run_demo(config: Path = REPO_CONFIG, max_tokens: int = 64, num_prompts: int 
           f"(see docs/demo-pair.md) ===")
     for line in comparison_lines(plain, saguaro, k):
         print("  " + line)
-    print("\n--- prompt (end) ---\n" + prompts[0][-200:] + "\n--- Saguaro's greedy answer ---\n" + saguaro[0].texts[0])
+    print("\n" + shown_example(prompts, saguaro[0].texts))
     print(f"\n(demo pair build stats: {pair.root / 'stats.json'})")
     greedy_ok = all(p.texts == s.texts for p, s in zip(plain, saguaro) if p.temperature == 0)
     return 0 if greedy_ok else 1
