@@ -8,12 +8,14 @@ hit rate and the fan-out budgets it chose, and the issue's bars (SSD >= 1.4x `sy
 >= 1.25x at T=1; hit rate >= 0.8 / 0.6; SSD >= `sync` at every batch). Writes
 `benchmarks/results/<date>-projection-gpu.json`, rendered on docs/benchmarks.md by report.py.
 
-    .venv/bin/python benchmarks/project_gpu.py                              # the stored traces, every model
+    .venv/bin/python benchmarks/project_gpu.py --traces DIR                 # every model
     .venv/bin/python benchmarks/project_gpu.py --traces DIR --models h100-70b-tp4-1b
 
-SSD replays each trace's recorded options except the policy defaults in POLICY_DEFAULTS, which take
-today's defaults (the stored traces were recorded under the defaults of their day: `max_fanout_budget` 32,
-64 from 2026-12-06, 128 since that evening); `--recorded-options` replays the recorded ones.
+DIR is a trace directory of `validate_projection.py` (`make bench` records them under
+benchmarks/results/traces/, not tracked). SSD replays each trace's recorded options except the policy
+defaults in POLICY_DEFAULTS, which take today's defaults (the traces of the results files were recorded
+under the defaults of their day: `max_fanout_budget` 32, 64 from 2026-12-06, 128 since that evening);
+`--recorded-options` replays the recorded ones.
 """
 from __future__ import annotations
 
@@ -34,7 +36,6 @@ from saguaro_vllm.frontend.config import SaguaroOptions  # noqa: E402
 from saguaro_vllm.projection.cost_model import CostModel  # noqa: E402
 from saguaro_vllm.projection.project import project_trace  # noqa: E402
 
-TRACES = ROOT / "results" / "traces" / "2026-12-06-demo-pair-b1b4-256-policy2"
 #: Options the projection takes at today's defaults rather than as recorded.
 POLICY_DEFAULTS = {name: SaguaroOptions.model_fields[name].default for name in ("max_fanout_budget",)}
 BARS = {"ssd_over_sync_b1": {0.0: 1.4, 1.0: 1.25}, "hit_rate_b1": {0.0: 0.8, 1.0: 0.6}}
@@ -57,7 +58,8 @@ def bars(temp: float, rows: dict[int, dict[str, dict]]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--traces", default=str(TRACES), help="a validate_projection.py trace directory")
+    p.add_argument("--traces", required=True, help="a validate_projection.py trace directory (traces are not "
+                   "tracked: `make bench` records them under benchmarks/results/traces/)")
     p.add_argument("--models", default="", help="cost model stems under benchmarks/cost_models/ (default: all)")
     p.add_argument("--trace-glob", default="async-b1-*/trace-*.jsonl.gz",
                    help="which traces of the directory (e.g. async-b1-*/trace-*.jsonl.gz: the batch-1 runs)")
