@@ -98,6 +98,57 @@ def build_tiny_llama(path: Path, *, vocab_size: int = 24, num_layers: int = 2, h
     return path
 
 
+def build_embedded_pair(root: Path, *, vocab_size: int, width: int, draft_hidden: int = 32, num_layers: int = 2,
+                        seed: int = 0, lm_head_scale: float = 6.0, max_positions: int = 256) -> tuple[Path, Path]:
+    """A draft (a random Llama of hidden `draft_hidden`, one attention head) and a target of hidden `width`
+    that computes the same function: the draft's weights embedded in the target's first `draft_hidden`
+    dimensions, one head and the first MLP units, every other weight zero, so the residual stream never
+    leaves that subspace. The target's RMSNorms see `width / draft_hidden` times fewer mean squares: its eps
+    is scaled by the same factor and the draft's norm weights by its square root, so both normalise alike.
+    Acceptance is ~1 at every temperature (only summation order differs) while the target costs what a
+    model of hidden `width` costs: the cost ratio is set by `width` alone (`width == draft_hidden`: the
+    same model). Returns (target, draft)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if width % draft_hidden:
+        raise ValueError(f"width {width} must be a multiple of draft_hidden {draft_hidden}")
+    draft = build_tiny_llama(Path(root) / "draft", vocab_size=vocab_size, num_layers=num_layers,
+                             hidden_size=draft_hidden, num_heads=1, seed=seed, lm_head_scale=lm_head_scale,
+                             max_positions=max_positions)
+    if width == draft_hidden:
+        return draft, draft
+    small = LlamaForCausalLM.from_pretrained(draft, torch_dtype=torch.float32)
+    eps = small.config.rms_norm_eps
+    h, i = draft_hidden, small.config.intermediate_size
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=num_layers,
+        num_attention_heads=width // h, num_key_value_heads=width // h, head_dim=h,
+        max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=vocab_size - 1, pad_token_id=None, torch_dtype="float32", rms_norm_eps=eps * h / width)
+    big = LlamaForCausalLM(config).to(torch.float32)
+    scale = (width / h) ** 0.5
+    with torch.no_grad():
+        for param in big.parameters():
+            param.zero_()
+        big.model.embed_tokens.weight[:, :h] = small.model.embed_tokens.weight
+        big.lm_head.weight[:, :h] = small.lm_head.weight
+        big.model.norm.weight[:h] = small.model.norm.weight / scale
+        for b, s in zip(big.model.layers, small.model.layers, strict=True):
+            b.input_layernorm.weight[:h] = s.input_layernorm.weight / scale
+            b.post_attention_layernorm.weight[:h] = s.post_attention_layernorm.weight / scale
+            for name in ("q_proj", "k_proj", "v_proj"):
+                getattr(b.self_attn, name).weight[:h, :h] = getattr(s.self_attn, name).weight
+            b.self_attn.o_proj.weight[:h, :h] = s.self_attn.o_proj.weight
+            b.mlp.gate_proj.weight[:i, :h] = s.mlp.gate_proj.weight
+            b.mlp.up_proj.weight[:i, :h] = s.mlp.up_proj.weight
+            b.mlp.down_proj.weight[:h, :i] = s.mlp.down_proj.weight
+    target = Path(root) / f"target-w{width}"
+    target.mkdir(parents=True, exist_ok=True)
+    big.save_pretrained(target, safe_serialization=True)
+    return target, draft
+
+
 def build_tiny_pair(root: Path, *, vocab_size: int = 24, draft_noise: float = 0.6) -> tuple[Path, Path]:
     """A target (2 layers) and a correlated draft (1 layer, perturbed LM head) under `root`."""
     target = build_tiny_llama(Path(root) / "target", vocab_size=vocab_size)

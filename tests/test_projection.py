@@ -81,9 +81,33 @@ def record_run(model, drafter, trace_path, rounds=14, seed=0, max_bytes=1 << 30,
 def ssd_trace(draft_model, tmp_path_factory):
     path = tmp_path_factory.mktemp("trace") / "ssd.jsonl.gz"
     runner = DraftModelRunner(draft_model, KVCacheConfig(num_blocks=256, block_size=16))
-    drafter = SSDDrafter(runner, vocab_size=draft_model.config.vocab_size, options={})
+    # every round pre-drafts: this loop's "verification" is a random share of the pre-draft itself, which
+    # the fallback would rightly judge too short for it (`test_replay_repeats_the_live_fallback`)
+    drafter = SSDDrafter(runner, vocab_size=draft_model.config.vocab_size, options={"fallback": "off"})
     statuses = record_run(draft_model, drafter, path)
     return path, statuses
+
+
+def test_replay_repeats_the_live_fallback(draft_model, tmp_path):
+    """With the fallback on, the same loop pre-drafts in its first rounds, then measures that pre-drafting
+    cannot pay here and drafts as `sync` does (every row jit, no glue forward), probing pre-drafting again
+    later; the replay under the run's own timings takes the same decisions and repeats every row's status."""
+    runner = DraftModelRunner(draft_model, KVCacheConfig(num_blocks=256, block_size=16))
+    drafter = SSDDrafter(runner, vocab_size=draft_model.config.vocab_size, options={})
+    answers = []
+    step = drafter.step
+    drafter.step = lambda req: answers.append(step(req)) or answers[-1]
+    path = tmp_path / "fallback.jsonl.gz"
+    statuses = record_run(draft_model, drafter, path, rounds=40)
+    header, steps = read_trace(path)
+    modes = [a.ssd["predrafted"] for a in answers]
+    assert modes[1] and modes.count(False) >= 10, modes  # pre-drafted first, then mostly fell back
+    glued = [any(f[0] == "glue" for f in s.get("fwd", [])) for s in steps]
+    for n in range(1, len(steps)):
+        if not modes[n]:  # the round before did not pre-draft: no glue ran, every row was drafted now
+            assert not glued[n - 1] and set(statuses[n]) <= {"jit", "new"}, (n, statuses[n])
+    result = SSDReplay(header, steps, TraceClock(steps)).run()
+    assert [s["status"] for s in result.per_step] == statuses
 
 
 def test_trace_records_outcomes_candidates_and_times(ssd_trace):
@@ -149,7 +173,9 @@ def test_replay_measures_the_fanouts_coverage_as_the_live_run(draft_model, tmp_p
 
     monkeypatch.setattr(RoundPlanner, "branches_pay_off", every_third_skips)
     runner = DraftModelRunner(draft_model, KVCacheConfig(num_blocks=256, block_size=16))
-    drafter = SSDDrafter(runner, vocab_size=draft_model.config.vocab_size, options={})
+    # every round pre-drafts (this loop's "verification" is a random share of the pre-draft itself, which
+    # the fallback would rightly judge too short for it)
+    drafter = SSDDrafter(runner, vocab_size=draft_model.config.vocab_size, options={"fallback": "off"})
     path = tmp_path / "skips.jsonl.gz"
     statuses = record_run(draft_model, drafter, path, rounds=30)
     header, steps = read_trace(path)
@@ -167,16 +193,16 @@ def test_replay_measures_the_fanouts_coverage_as_the_live_run(draft_model, tmp_p
 def test_a_hit_sent_short_plans_the_next_predraft_for_the_drafts_wanted(draft_model, tmp_path, monkeypatch):
     """A hit whose branches were cut short is sent with fewer drafts than wanted when its top-up does not
     pay; the next pre-draft still plans branch steps for the drafts the next round wants (short rounds must
-    not beget short rounds), live and in the replay. Until 2026-12-07 the replay planned for the short
-    round's count (3 steps where the live run planned 5) and the replay of a run under its own times parted
-    from it there (4 of the 9 SSD runs of 2026-12-07). Here no top-up is ever drafted (the same rule live and
-    in the replay), so every cut-short hit is sent short."""
+    not beget short rounds), live and in the replay: a replay planning for the short round's count (3 steps
+    where the live run planned 5) parts from the run it replays. Here no top-up is ever drafted (the same
+    rule live and in the replay), so every cut-short hit is sent short, and every round pre-drafts (this
+    loop's "verification" is a random share of the pre-draft itself: the fallback would rightly stop it)."""
     def misses_only(self, candidates, base_tokens):
         return [c.row for c in candidates if not c.topup]
 
     monkeypatch.setattr(RoundPlanner, "draft_now", misses_only)
     runner = DraftModelRunner(draft_model, KVCacheConfig(num_blocks=256, block_size=16))
-    drafter = SSDDrafter(runner, vocab_size=draft_model.config.vocab_size, options={})
+    drafter = SSDDrafter(runner, vocab_size=draft_model.config.vocab_size, options={"fallback": "off"})
     path = tmp_path / "short.jsonl.gz"
     statuses = record_run(draft_model, drafter, path, rounds=30, seed=3)
     header, steps = read_trace(path)

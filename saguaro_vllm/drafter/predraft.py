@@ -25,6 +25,34 @@ def _ranked(top: list[list[int]], drafts, width: int) -> list[list[int]]:
     return [[t for t in row if j >= len(drafts) or t != drafts[j]][:width] for j, row in enumerate(top)]
 
 
+def _glue_parts(req_ids: list[str], logit_rows: list[int]) -> list[list[str]]:
+    """The glue's requests in consecutive parts of at most about one draft forward's logit rows (one per
+    request): normally one part; rows whose depth distributions must be recomputed (after an n-gram backup:
+    K + 1 each) are spread over several forwards, so the answer never waits for all of them at once."""
+    cap = max(1, len(req_ids))
+    parts, rows = [[]], 0
+    for rid, n in zip(req_ids, logit_rows, strict=True):
+        if parts[-1] and rows + n > cap:
+            parts.append([])
+            rows = 0
+        parts[-1].append(rid)
+        rows += n
+    return [p for p in parts if p]
+
+
+def _select_parts(rows: list[int], cap: int) -> list[list[int]]:
+    """Indices of the roots in consecutive parts of at most `cap` logit rows (at least one root each) for
+    the candidate selection."""
+    parts, count = [[]], 0
+    for i, n in enumerate(rows):
+        if parts[-1] and count + n > cap:
+            parts.append([])
+            count = 0
+        parts[-1].append(i)
+        count += n
+    return [p for p in parts if p]
+
+
 class PreDrafter:
     def _predraft_rounds(self, req_ids: list[str]) -> Iterator[None]:
         """Generator: glue, then the branch steps, one forward per `next`; closing it caches the branches."""
@@ -38,18 +66,21 @@ class PreDrafter:
             trace = self.trace
             if trace is not None:
                 trace.phase = GLUE
-            roots, scores = self._glue(req_ids)
+            roots, scores, protect = [], [], set(req_ids)
+            for part in _glue_parts(req_ids, self._glue_logit_rows(req_ids)):
+                glued = self._glue(part, protect)
+                roots += glued[0]
+                scores += glued[1]
+                yield  # each glue forward is one `advance`: the request is looked for between them
             if trace is not None:
                 trace.phase = BRANCH
                 trace.candidates([r.req_id for r in roots], scores, [r.drafts for r in roots])
-            yield
             if not roots:
                 return
             # steps per branch: the drafts the next round wants (not this round's count, which a cut-short
             # hit or a round of zero drafts would pass on: short rounds would beget short rounds)
             k = max(self._sent[r.req_id].want or r.k for r in roots)
             plan = self.planner.plan(len(roots), k)
-            stats.budget, stats.plan_steps = plan.branches, plan.steps
             pays = self.planner.branches_pay_off(plan, len(roots), k)
             # one fan-out per kind of round (draft count, n-gram or not, temperature), not per row (the
             # calibrated allocation is ~0.1 ms each); planned whether or not the branch steps run: whether
@@ -61,20 +92,38 @@ class PreDrafter:
                 if kind not in by_kind:
                     by_kind[kind] = self.planner.fanout_for(kind[0], kind[1], plan.branches, kind[2])
                 fans.append(by_kind[kind])
-            # every root's best tokens per depth in one selection (ranks, and the candidates if branching)
-            width = max(MAX_RANK, max((max(f, default=0) for f in fans), default=0))
-            top = top_tokens(torch.cat(scores), width + 1)
-            offset, tops = 0, []
-            for root, fan in zip(roots, fans, strict=True):
-                tops.append(top[offset: offset + root.k + 1])
-                offset += root.k + 1
-                sent = self._sent[root.req_id]
-                sent.ranked, sent.fan = _ranked(tops[-1], root.drafts, width), fan
+            pre = None
             if trace is not None and trace.rec is not None:
                 pre = trace.rec.setdefault("pre", {})
-                pre.update(plan=[plan.branches, plan.steps], pays=pays, k=k, batch=len(roots))
+                pre.update(plan=[plan.branches, plan.steps], pays=pays, k=k, batch=len(roots), selected=0)
                 for root, fan in zip(roots, fans):
                     pre.setdefault("rows", {}).setdefault(root.req_id, {})["fan"] = fan
+            # every root's best tokens per depth (ranks, and the candidates if branching), selected in parts
+            # that each take at most about half a draft forward, the request looked for between them: on a
+            # CPU core at a 128k vocabulary the selection over K + 1 depths costs several draft forwards; where
+            # it is cheap (a GPU) it stays one part with one host transfer
+            width = max(MAX_RANK, max((max(f, default=0) for f in fans), default=0))
+            tops = []
+            for part in _select_parts([r.k + 1 for r in roots], self.planner.selection_part_rows(len(roots))):
+                s0 = time.perf_counter()
+                top = top_tokens(torch.cat([scores[i] for i in part]), width + 1)
+                self.planner.observe_selection(sum(roots[i].k + 1 for i in part), time.perf_counter() - s0)
+                offset = 0
+                for i in part:
+                    root, fan = roots[i], fans[i]
+                    tops.append(top[offset: offset + root.k + 1])
+                    offset += root.k + 1
+                    sent = self._sent[root.req_id]
+                    sent.ranked, sent.fan = _ranked(tops[-1], root.drafts, width), fan
+                if pre is not None:
+                    pre["selected"] = len(tops)  # the replay counts coverage for these roots only
+                if part[-1] < len(roots) - 1:
+                    yield
+            glue_s = time.perf_counter() - t0
+            self.planner.switch.observe_glue(len(roots), glue_s)
+            if pre is not None:
+                pre["glue_s"] = glue_s
+            stats.budget, stats.plan_steps = plan.branches, plan.steps
             if not pays:
                 stats.skipped = True
                 return
@@ -114,13 +163,28 @@ class PreDrafter:
             if self.trace is not None and self.trace.rec is not None and run is not None:
                 self.trace.rec.setdefault("pre", {}).update(steps_done=run.steps_done, dropped=run.dropped)
 
-    def _glue(self, req_ids: list[str]) -> tuple[list[BranchRoot], list[torch.Tensor]]:
+    def _glue_logit_rows(self, req_ids: list[str]) -> list[int]:
+        """Per request, the logit rows its glue computes (`_glue`'s rule, read without changing anything)."""
+        out = []
+        for rid in req_ids:
+            st, sent = self.reqs.get(rid), self._sent.get(rid)
+            if st is None or sent is None:
+                out.append(0)
+                continue
+            k = len(sent.drafts)
+            seq_len = len(st.context) + k
+            done = min(self.runner.num_computed(rid) if self.runner.has_request(rid) else 0, seq_len - 1)
+            have = len(st.draft_logits) if len(st.draft_logits) >= k and done == seq_len - 1 else 0
+            need = min(seq_len - done, k + 1 - have)
+            out.append(need if have + need >= k + 1 else k + 1)
+        return out
+
+    def _glue(self, req_ids: list[str], protect: set[str]) -> tuple[list[BranchRoot], list[torch.Tensor]]:
         """Feed every token of context + drafts the draft has no KV for (normally just x_K; after an
         n-gram backup the new context tail and all drafts; for a round of zero drafts, e.g. a new request
         left undrafted at a busy step, its whole uncomputed context: off the critical path), and gather
-        the K+1 bonus distributions."""
+        the K+1 bonus distributions. `protect`: the round's requests, whose KV no reservation may evict."""
         chunks, wanted, items = [], [], []
-        protect = set(req_ids)
         for rid in req_ids:
             st, sent = self.reqs.get(rid), self._sent.get(rid)
             if st is None or sent is None or len(st.context) != sent.context_len:

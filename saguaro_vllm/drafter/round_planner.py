@@ -8,7 +8,8 @@ drafter's questions each round:
   (`branches_pay_off`);
 - the fan-out per depth of a round (`fanout_for`);
 - which misses and cut-short hits to draft on the critical path (`draft_now`, per row);
-- how many drafts each row gets (`choose_depth`, with `depth: "auto"`).
+- how many drafts each row gets (`choose_depth`, with `depth: "auto"`);
+- whether the next round pre-drafts at all or drafts as `sync` does (`predraft_next`, `fallback.py`).
 `SSDDrafter` feeds it what happened and does the model work; the rules themselves live in `backup.py`,
 `predictor.py` and `depth_choice.py`. docs/algorithm.md explains each.
 """
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 from saguaro_vllm.drafter.backup import DraftNow, choose_draft_now
 from saguaro_vllm.drafter.depth_choice import DepthChoice
+from saguaro_vllm.drafter.fallback import PreDraftSwitch
 from saguaro_vllm.drafter.predictor import (
     MAX_RANK,
     OutcomePredictor,
@@ -61,6 +63,9 @@ GROWTH = 2
 #: config's default (`max_fanout_budget`; the drafter process does not import the front end, a test checks
 #: the two agree).
 MAX_FANOUT_BUDGET = 128
+#: Share of one draft forward (of the batch's rows) a part of the pre-draft's candidate selection may take:
+#: the answer waits at most that long for a selection in flight.
+SELECT_SHARE = 0.5
 #: Steps between re-plannings of the per-depth outlook of `depth: "auto"` (k_max plans each time).
 OUTLOOK_EVERY = 8
 
@@ -117,6 +122,11 @@ class RoundPlanner:
         self._outlook_steps: dict[int, int] = {}  # per depth: branch steps its pre-draft would plan
         self._outlook_key: tuple[int, int] | None = None
         self._outlook_age = 0
+        #: pre-draft or draft as `sync` does, round by round; `predrafted`: whether the round being verified
+        #: now pre-drafts (the next step's figures are that mode's)
+        self.switch = PreDraftSwitch()
+        self.predrafted = True
+        self.select_row_s: float | None = None  # the candidate selection's seconds per logit row
 
     # ---- measurements -------------------------------------------------------------------------------
     def answered(self) -> None:
@@ -186,6 +196,19 @@ class RoundPlanner:
         """The most rows of a measured draft forward, branch steps included (`GROWTH`)."""
         return max([cost.max_rows or 0] + [rows for rows, _, _ in self.branch_costs])
 
+    def observe_selection(self, rows: int, seconds: float) -> None:
+        """A part of the pre-draft's candidate selection: `rows` logit rows in `seconds`."""
+        if rows > 0:
+            self.select_row_s = smooth(self.select_row_s, seconds / rows)
+
+    def selection_part_rows(self, batch: int) -> int:
+        """Logit rows per part of the candidate selection: what takes SELECT_SHARE of a draft forward of
+        `batch` rows at the measured cost per row (all rows in one part until both are measured)."""
+        cost = self.cost_model()
+        if cost is None or not self.select_row_s:
+            return 1 << 30
+        return max(1, int(SELECT_SHARE * cost.forward_s(batch, batch) / self.select_row_s))
+
     def measure_rate(self, tokens: int, verify_s: float) -> None:
         """The tokens a step committed over its whole period (the previous answer, the verification and the
         round's lateness), kept as decayed sums: `rate` is their ratio, the long-run tokens per second that
@@ -203,11 +226,16 @@ class RoundPlanner:
             self.rate = self._rate_sums[0] / self._rate_sums[1]
 
     def end_step(self, answer_s: float, sent_tokens: int, hits: int, looked_up: int, jit: bool,
-                 all_hit: bool, ran_branches: bool = False, planned: int = 0, covered: int = 0) -> None:
+                 all_hit: bool, ran_branches: bool = False, planned: int = 0, covered: int = 0,
+                 committed: int | None = None, verify_s: float = 0.0) -> None:
         """What the answer just built took and sent: answer time (per kind), tokens to verify, hit rate;
         for `branch_hit_floor`, the looked-up rows whose round reached its plan (`planned`), those of them
         whose outcome lay within the planned fan-out (`covered`, hits included) and whether that round ran
-        its branch steps (`ran_branches`)."""
+        its branch steps (`ran_branches`); for the pre-draft switch, the tokens this step committed
+        (`committed`, None where the step cannot be compared: new requests) over its verification, lateness
+        and answer, credited to the mode of the round before it."""
+        if committed is not None and verify_s > 0:
+            self.switch.observe_step(self.predrafted, committed, verify_s + self._round_late_s + answer_s)
         self.last_answer_s = answer_s
         self.sent_tokens = sent_tokens
         if looked_up:
@@ -271,6 +299,32 @@ class RoundPlanner:
         if plan.branches == 0:  # not even one branch per depth fits one step: the most likely outcomes only
             return PreDraftPlan(max(1, min(2, k + 1)), 1)
         return plan
+
+    def predraft_next(self, batch: int, k: int) -> bool:
+        """Whether the round just sent (`batch` requests, `k` drafts each) pre-drafts, or leaves its rows to
+        be drafted as `sync` does after the verification (`fallback.PreDraftSwitch`). A plan the options fix
+        (`fanout`, `fanout_budget`, `finish_predraft`) or `fallback: "off"` always pre-drafts. One log line
+        per change of mode (probes of the other mode are not logged)."""
+        if (self.opts.get("fallback", "auto") == "off" or self.opts.get("fanout") or self.opts.get("fanout_budget")
+                or self.opts.get("finish_predraft")):
+            self.predrafted = True
+            return True
+        cost = self.cost_model()
+        step_s = sync_rate = None
+        if cost is not None:
+            branch = self.branch_step_s(cost, batch)
+            rows = min(2, k + 1) * batch  # the smallest plan: the two likeliest outcomes, one step
+            step_s = branch(rows) if branch is not None else cost.forward_s(rows, rows)
+            pre = self.switch.rates[True]
+            if pre.steps > 0 and self.verify_s is not None:
+                sync_s = cost.forward_s(2 * batch, batch) + (k - 1) * cost.forward_s(batch, batch)
+                sync_rate = (pre.tokens / pre.steps) / (self.verify_s + sync_s)
+        before = self.switch.predrafting
+        self.predrafted = self.switch.decide(self.verify_s, self.switch.glue_s(batch), step_s, sync_rate)
+        if self.switch.predrafting != before:
+            logger.info("Saguaro pre-drafting %s: %s", "resumed" if self.switch.predrafting else
+                        "paused, drafting as mode sync does", self.switch.reason)
+        return self.predrafted
 
     def branches_pay_off(self, plan: PreDraftPlan, batch: int, k: int) -> bool:
         """`predictor.branches_pay_off` for a modelled plan, once lateness and step costs are measured. The

@@ -87,6 +87,9 @@ class SSDStats:
     scale_sum: float = 0.0  # sum of C over the sampled draft tokens (mean C = scale_sum / sampled_drafts)
     fork_copies: int = 0  # partial KV blocks copied when the pre-draft forked its branches
     branch_blocks: int = 0  # KV blocks reserved for branches' tokens past a block edge
+    #: the round before this step pre-drafted (False: the planner's fallback left its rows to be drafted
+    #: after the verification, as `sync` does)
+    predrafted: bool = True
 
 
 @dataclasses.dataclass
@@ -103,6 +106,7 @@ class _Answer:
     misses: list[int] = dataclasses.field(default_factory=list)
     topups: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (row, drafts to add): hits cut short
     fast: set[int] = dataclasses.field(default_factory=set)  # misses answered by the n-gram backup (or nothing)
+    sync_like: bool = False  # the round before did not pre-draft: every miss is drafted now, as `sync` does
     planned: int = 0  # looked-up rows whose round reached its plan (a fan-out) ...
     covered: int = 0  # ... and of them, those whose outcome lay within it (`RoundPlanner.coverage`)
     trace: dict[int, dict] = dataclasses.field(default_factory=dict)  # row -> its trace fields (tracing only)
@@ -226,24 +230,30 @@ class SSDDrafter(PreDrafter, SyncDrafter):
                                   ran_branches=ran_branches, sent_at=req.sent_at)
         self._begin_step(req)
         ans = _Answer(len(req.rows))
+        ans.sync_like = not self.planner.predrafted
+        stats.predrafted = self.planner.predrafted
         for i, row in enumerate(req.rows):
             self._answer_row(i, row, ans)
+        committed = None
         if stats.verify_s > 0 and NEW not in ans.status and req.rows:
-            self.planner.measure_rate(sum(len(r.new_tokens) for r, x in zip(req.rows, ans.status) if x in (HIT, JIT)),
-                                      stats.verify_s)
+            committed = sum(len(r.new_tokens) for r, x in zip(req.rows, ans.status) if x in (HIT, JIT))
+            self.planner.measure_rate(committed, stats.verify_s)
         jit_rows = self._back_up(req, ans, stats)
         for i in self._end_step(ans.drafts):
             ans.status[i] = NO_ROOM
         probs_slot, probs_rows = self._publish_probs(req, ans.drafts, ans.probs)
-        self._send_rounds(req, ans, stats)
+        roots, k = self._send_rounds(req, ans, stats)
         stats.alpha = self.predictor.neural.alpha
         looked_up = [x for x in ans.status if x in (HIT, JIT, NGRAM)]
         answer_s = time.perf_counter() - t0
         self.planner.end_step(answer_s, sum(1 + len(d) for d in ans.drafts), looked_up.count(HIT),
                               len(looked_up), jit=bool(jit_rows), all_hit=not jit_rows and HIT in ans.status,
-                              ran_branches=ran_branches, planned=ans.planned, covered=ans.covered)
+                              ran_branches=ran_branches, planned=ans.planned, covered=ans.covered,
+                              committed=committed, verify_s=stats.verify_s)
         if self.trace is not None:
             self._trace_answer(req, ans, answer_s)
+        if roots and self.planner.predraft_next(len(roots), k):  # (after end_step: this step's figures count)
+            self._work = self._predraft_rounds(roots)
         resp = StepResponse(req.step, ans.drafts, {}, time.perf_counter() - t0, ans.resync,
                             live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
                             row_status=ans.status, row_depth=ans.depth, ssd=dataclasses.asdict(stats),
@@ -350,9 +360,12 @@ class SSDDrafter(PreDrafter, SyncDrafter):
     def _back_up(self, req: StepRequest, ans: _Answer, stats: SSDStats) -> list[int]:
         """Misses and cut-short hits: those worth it are drafted now (jit, top-ups; `_choose_draft_now`),
         the other misses get their n-gram drafts or none. Returns the jit rows."""
-        ngram = ({i: ngram_drafts(self.reqs[req.rows[i].req_id].context, ans.want[i]) for i in ans.misses}
-                 if self.planner.needs_ngram_drafts() else {})
-        now = set(self._choose_draft_now(req, ans.status, ans.drafts, ans.misses, ans.topups, ngram, ans.want))
+        if ans.sync_like:  # no pre-draft ran for this step: every row is drafted now, as `sync` does
+            ngram, now = {}, set(ans.misses)
+        else:
+            ngram = ({i: ngram_drafts(self.reqs[req.rows[i].req_id].context, ans.want[i]) for i in ans.misses}
+                     if self.planner.needs_ngram_drafts() else {})
+            now = set(self._choose_draft_now(req, ans.status, ans.drafts, ans.misses, ans.topups, ngram, ans.want))
         if self.trace is not None:
             self._trace_backups(req, ans, ngram)
         jit_rows = [i for i in ans.misses if i in now]
@@ -393,9 +406,10 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         rec["answer_s"] = answer_s
         rec["hit_rate"], rec["rate"] = self.planner.hit_rate, self.planner.rate
 
-    def _send_rounds(self, req: StepRequest, ans: _Answer, stats: SSDStats) -> None:
-        """Every row with drafts starts a round (what the next lookup is against) and the pre-draft for
-        them is queued; sampled rows note their C, and with `sampling_scale: "auto"` choose the next one.
+    def _send_rounds(self, req: StepRequest, ans: _Answer, stats: SSDStats) -> tuple[list[str], int]:
+        """Every row with drafts starts a round (what the next lookup is against; returned with the most
+        drafts a row wants, for the pre-draft `step` queues unless the planner falls back); sampled rows
+        note their C, and with `sampling_scale: "auto"` choose the next one.
 
         A miss left without any drafts (a new request, or no n-gram match, where drafting now did not pay)
         starts a round of zero drafts: its outcome is its next token alone, so the pre-draft feeds its
@@ -403,10 +417,11 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         hit like any other. Without it such a row is a miss again next step, weighed again by the backup
         rule, and can stay undrafted for its whole life (measured at vocabulary 128k, T=1, 1000 requests of
         5 tokens: 202 of 2395 rows drafted over 64 steps, speculation reported stalled)."""
-        roots = []
+        roots, k = [], 0
         for i, row in enumerate(req.rows):
             if not ans.drafts[i] and i not in ans.fast:
                 continue
+            k = max(k, ans.want[i])
             st = self.reqs[row.req_id]
             fast = i in ans.fast and bool(ans.drafts[i])
             sent = _Sent(len(st.context), list(ans.drafts[i]), fast, want=ans.want[i])
@@ -420,8 +435,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
             sent.round_id = self.cache.start_round(row.req_id, sent.context_len, sent.drafts)
             self._sent[row.req_id] = sent
             roots.append(row.req_id)
-        if roots:
-            self._work = self._predraft_rounds(roots)
+        return roots, k
 
     def _draft_limit(self, row, st) -> int:
         """K (fewer near the limits, see SyncDrafter), or this step's depth with `depth: "auto"`."""

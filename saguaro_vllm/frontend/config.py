@@ -22,7 +22,7 @@ ADDITIONAL_CONFIG_KEY = "saguaro"
 MAX_SPECULATIVE_TOKENS = 32
 #: Options of `mode: "async"` (SSD) only: giving one with `mode: "sync"` is an error, not silently ignored.
 ASYNC_ONLY = ("fanout", "fanout_budget", "max_fanout_budget", "miss_fanout", "backup", "finish_predraft",
-              "sampling_scale", "sampling_scale_tokens", "depth")
+              "fallback", "sampling_scale", "sampling_scale_tokens", "depth")
 
 
 class SaguaroConfigError(ValueError):
@@ -167,6 +167,15 @@ class SaguaroOptions(BaseModel):
         "with e.g. 8 to let it go deeper than 5) and each step the drafter returns the depth that "
         "maximises the estimated tokens per second from the measured acceptance, cache hit rate, "
         "verification time per verified token and draft step times (drafter/depth_choice.py).",
+    )
+    fallback: Literal["auto", "off"] = Field(
+        "auto",
+        description="`async` only: `auto` (default): a round whose pre-draft cannot pay (its glue and first "
+        "branch step do not fit inside the verification, or steps after pre-drafting commit fewer tokens "
+        "per second than steps drafted as `sync` does) skips the pre-draft entirely and its rows are drafted "
+        "after the verification exactly as in `sync`; the other mode is probed every 16 rounds, so "
+        "pre-drafting resumes when costs change (drafter/fallback.py). `off`: always pre-draft. A fixed "
+        "`fanout`, `fanout_budget` or `finish_predraft: true` implies `off`.",
     )
     finish_predraft: bool = Field(
         False,

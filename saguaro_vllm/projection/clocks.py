@@ -37,11 +37,24 @@ class TraceClock:
         return rec.get("verify_s", 0.0), rec.get("late_s", 0.0), pre
 
     def glue_forward(self, n: int, rounds: list) -> Forward | None:
+        """The glue's first forward (of one per part, `glue_forwards`)."""
         glue = _forwards(self.steps[n], GLUE)
         return glue[0] if glue else None
 
+    def glue_forwards(self, n: int, rounds: list) -> list[Forward]:
+        """The glue's forwards as recorded (one per part; none: the request came first)."""
+        return _forwards(self.steps[n], GLUE)
+
     def reaches_plan(self, n: int) -> bool:
         return "plan" in self.steps[n].get("pre", {})
+
+    def selected(self, n: int, roots: int) -> int:
+        """Roots whose candidates were selected before the request came (the rest got no fan-out)."""
+        return self.steps[n].get("pre", {}).get("selected", roots)
+
+    def glue_time(self, n: int, glue: list[Forward]) -> float:
+        """The glue's whole time, candidate selection included, as the live drafter measured it."""
+        return self.steps[n].get("pre", {}).get("glue_s", sum(f[2] for f in glue))
 
     def now_forwards(self, n: int, jobs: dict[int, int], feeds: dict[int, int]) -> list[Forward]:
         return _forwards(self.steps[n], NOW)
@@ -104,6 +117,17 @@ class ModelClock:
 
     def reaches_plan(self, n: int) -> bool:
         return self.glue_s < self.arrival or self.finish_predraft
+
+    def selected(self, n: int, roots: int) -> int:
+        """(The candidate selection is part of the modelled glue: done once the plan is reached.)"""
+        return roots
+
+    def glue_time(self, n: int, glue: list[Forward]) -> float:
+        return sum(f[2] for f in glue)
+
+    def glue_forwards(self, n: int, rounds: list) -> list[Forward]:
+        """The glue as one modelled forward."""
+        return [self.glue_forward(n, rounds)]
 
     def now_forwards(self, n: int, jobs: dict[int, int], feeds: dict[int, int]) -> list[Forward]:
         """`SyncDrafter._draft_chains`: the first forward feeds each row's chunk, each later one the rows

@@ -146,9 +146,12 @@ class SSDReplay:
         if self._counting:
             self.result.depths[depth or 0] += 1
         status, served, misses, topups, tokens, planned, covered = self._lookups(rows)
+        committed = None
         if verify_s > 0 and NEW not in status and rows:
-            self.planner.measure_rate(sum(t for t, s in zip(tokens, status) if s in (HIT, JIT)), verify_s)
-        jit_rows, topup_rows, fast = self._back_up(rows, status, served, misses, topups)
+            committed = sum(t for t, s in zip(tokens, status) if s in (HIT, JIT))
+            self.planner.measure_rate(committed, verify_s)
+        sync_like = not self.planner.predrafted  # no pre-draft ran for this step: every miss is drafted now
+        jit_rows, topup_rows, fast = self._back_up(rows, status, served, misses, topups, sync_like)
         jobs = {i: len(served[i]) for i in jit_rows} | dict(topup_rows)
         now_fwd = self.clock.now_forwards(n, jobs, {i: rows[i].get("feed", 1) for i in jit_rows})
         for f in now_fwd:
@@ -158,7 +161,7 @@ class SSDReplay:
         looked_up = [s for s in status if s in LOOKED_UP]
         self.planner.end_step(answer_s, sum(1 + d for d in self._served), looked_up.count(HIT), len(looked_up),
                               jit=bool(jit_rows), all_hit=not jit_rows and HIT in status, ran_branches=ran_branches,
-                              planned=planned, covered=covered)
+                              planned=planned, covered=covered, committed=committed, verify_s=verify_s)
         roots = self._send_rounds(n, rows, status, fast)
         self.clock.next_request(len(rows), self._served)
         self._predraft(n, roots)
@@ -237,12 +240,13 @@ class SSDReplay:
         nd = r.get("nd") or r.get("want") or self.header.get("k") or 0
         return min(nd, self.planner.depth) if self.planner.depth is not None else nd
 
-    def _back_up(self, rows, status, served, misses, topups):
-        """`SSDDrafter._back_up` / `_choose_draft_now`: which misses and cut-short hits are drafted now."""
-        ngram_on = self.planner.needs_ngram_drafts()
+    def _back_up(self, rows, status, served, misses, topups, sync_like: bool = False):
+        """`SSDDrafter._back_up` / `_choose_draft_now`: which misses and cut-short hits are drafted now
+        (`sync_like`: every miss, as after a round that did not pre-draft)."""
+        ngram_on = self.planner.needs_ngram_drafts() and not sync_like
         has_ngram = {i: rows[i].get("ng", 0) > 0 for i in misses} if ngram_on else {}
-        now: list[int] = []
-        if misses or topups:
+        now: list[int] = list(misses) if sync_like else []
+        if (misses or topups) and not sync_like:
             missed = {i: (rows[i].get("feed", 1), self._want(rows[i]), bool(has_ngram.get(i))) for i in misses}
             hits = {i: len(served[i]) for i, x in enumerate(status) if x == HIT}
             cands, base = draft_now_candidates(len(rows), missed, hits, topups, {i: len(served[i]) for i, _ in topups},
@@ -291,23 +295,31 @@ class SSDReplay:
         self._ran_branches, self._predraft_plan, self._plan_log = False, None, None
         if not roots:
             return
-        glue = self.clock.glue_forward(n, [self.rounds[r] for r in roots])
-        if glue is None:
+        k = max(self.rounds[r].want or self.rounds[r].k for r in roots)
+        if not self.planner.predraft_next(len(roots), k):
+            return  # drafted as `sync` does after the verification (the planner's fallback)
+        glue = self.clock.glue_forwards(n, [self.rounds[r] for r in roots])
+        if not glue:
             return  # the request came before the glue ran
-        self.planner.record_forward(glue[0], glue[2], logits=glue[1])
+        for f in glue:
+            self.planner.record_forward(f[0], f[2], logits=f[1])
         if not self.clock.reaches_plan(n):
             return
         # steps per branch: the drafts the next round wants, as live (`PreDrafter`), not this round's count
-        # (until 2026-12-07 the replay took the count: a hit cut short to 3 drafts planned 3-step branches
-        # where the live run planned 5, and the replay of a run under its own times parted from it there)
-        k = max(self.rounds[r].want or self.rounds[r].k for r in roots)
+        # (a hit cut short to 3 drafts would plan 3-step branches where the live run plans 5)
         plan = self.planner.plan(len(roots), k)
         pays = self.planner.branches_pay_off(plan, len(roots), k)
-        for rid in roots:  # fan-outs planned whether or not the steps run (the planner's coverage), as live
-            rnd = self.rounds[rid]
-            rnd.planned = True
-            rnd.fan = self.planner.fanout_for(rnd.k, rnd.fast, plan.branches, rnd.temp)
+        fans = [self.planner.fanout_for(self.rounds[r].k, self.rounds[r].fast, plan.branches, self.rounds[r].temp)
+                for r in roots]
         self._plan_log = [plan.branches, plan.steps, pays]
+        selected = self.clock.selected(n, len(roots))
+        for rid, fan in zip(roots[:selected], fans):  # fan-outs planned whether or not the steps run (the
+            rnd = self.rounds[rid]                     # planner's coverage), for the roots selected, as live
+            rnd.planned = True
+            rnd.fan = fan
+        if selected < len(roots):
+            return  # the request came during the candidate selection: no branch steps
+        self.planner.switch.observe_glue(len(roots), self.clock.glue_time(n, glue))
         if self._counting or n == self.count_from:
             self.result.budgets[plan.branches if pays else 0] += 1
         if not pays:

@@ -86,6 +86,11 @@ def _prometheus() -> dict:
                 "vllm:saguaro_late_seconds",
                 "Time a step request waited for the drafter to finish the pre-draft forward in flight "
                 "(mode async).", buckets=STEP_BUCKETS),
+            "rounds": prometheus_client.Counter(
+                "vllm:saguaro_rounds",
+                "Steps answered after a round that pre-drafted (mode='predraft') or that left its rows to be "
+                "drafted after the verification as mode sync does (mode='sync': the pre-draft could not pay; "
+                "mode async).", labelnames=["mode"]),
             "skipped": prometheus_client.Counter(
                 "vllm:saguaro_predraft_skipped",
                 "Rounds whose branch steps the drafter skipped because their expected saving was below the "
@@ -174,6 +179,7 @@ class SaguaroMetrics:
         self.lookups_by_depth: dict[str, int] = {}
         self.hits_by_depth: dict[str, int] = {}
         self.backups: dict[str, int] = {"jit": 0, "ngram": 0}
+        self.rounds: dict[str, int] = {"predraft": 0, "sync": 0}  # steps after a round of each mode
         self.predraft_s = self.verify_s = self.late_s = 0.0
         self.predraft_rounds = self.predraft_done = self.dropped = self.skipped = 0
         self.budget = 0
@@ -262,6 +268,11 @@ class SaguaroMetrics:
                 self.backups[status] += 1
                 if prom:
                     prom["backups"].labels(kind=status).inc()
+        if ssd:
+            mode = "predraft" if ssd.get("predrafted", True) else "sync"
+            self.rounds[mode] += 1
+            if prom:
+                prom["rounds"].labels(mode=mode).inc()
         if ssd.get("topups"):
             self.topups += int(ssd["topups"])
             if prom:
@@ -366,7 +377,7 @@ class SaguaroMetrics:
             "failures": self.failures, "round_trip_s": self.round_trip_s, "compute_s": self.compute_s,
             "lookups": self.lookups, "hits": self.hits, "hit_rate": self.hits / self.lookups if self.lookups else 0.0,
             "lookups_by_depth": dict(self.lookups_by_depth), "hits_by_depth": dict(self.hits_by_depth),
-            "backups": dict(self.backups), "fanout_budget": self.budget,
+            "backups": dict(self.backups), "rounds": dict(self.rounds), "fanout_budget": self.budget,
             "predraft_s": self.predraft_s, "verify_s": self.verify_s, "predraft_rounds": self.predraft_rounds,
             "predraft_done": self.predraft_done, "branches_dropped": self.dropped,
             "late_s": self.late_s, "predraft_skipped": self.skipped,

@@ -1,0 +1,143 @@
+"""Whether the next SSD round pre-drafts at all, or drafts as `mode: sync` does: pure policy, no model.
+
+SSD's pre-draft (glue forward, candidate selection, branch steps) runs while the target verifies, and
+the answer waits for the part of it still in flight when the request comes (lateness). Where the glue
+alone does not fit inside the verification, or where what the pre-draft saves is eaten by its lateness,
+`sync` is faster: a round that does not pre-draft leaves the drafter idle during the verification and
+drafts every row just in time after it, exactly as `sync` does (no glue, no lateness, no n-gram backup).
+
+`PreDraftSwitch` decides per round from measurements only:
+- the pre-draft cannot reach a branch (glue + one branch step beyond the verification): fall back;
+- the measured tokens per second of steps after a pre-draft against those after none (or, before any
+  such step, what `sync` drafting would cost by the step-cost model): the slower way goes;
+- either way, the other mode is probed now and then (`PROBE_EVERY` rounds, `PROBE_ROUNDS` in a row),
+  so the choice follows the workload: pre-drafting resumes where its costs come back.
+A step's figures belong to the round before it: the pre-draft (or its absence) ran during that step's
+verification and decided its hits, lateness and answer time.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from saguaro_vllm.drafter.predictor import StepCostModel
+
+#: Weight each step's tokens and seconds lose per later step of the same mode (a memory of ~5 steps:
+#: a probe of PROBE_ROUNDS rounds outweighs the steps measured before it).
+RATE_DECAY = 0.8
+#: Steps of a mode measured before its rate takes part in the decision.
+MIN_STEPS = 2
+#: Rounds in the fallback (or pre-drafting with its lead not clear) between probes of the other mode.
+PROBE_EVERY = 16
+#: Rounds in a row a probe runs the other mode (the first one's step pays the switch: no branches yet).
+PROBE_ROUNDS = 3
+#: Pre-drafting keeps going without probing `sync` while its measured rate is this far ahead of the one
+#: estimated for `sync` by the step-cost model.
+CLEAR_LEAD = 1.3
+#: Glue timings kept (requests glued, seconds): the last few, so that one probe's rounds replace them.
+GLUE_SAMPLES = 6
+
+
+@dataclasses.dataclass
+class _Rate:
+    """Decayed sums of one mode's steps: tokens committed and seconds (verification, lateness, answer)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: float = 0.0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.tokens = RATE_DECAY * self.tokens + tokens
+        self.seconds = RATE_DECAY * self.seconds + seconds
+        self.steps = RATE_DECAY * self.steps + 1.0
+
+    @property
+    def rate(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+class PreDraftSwitch:
+    """Pre-draft or `sync` drafting, round by round (module docstring); `reason` says why the last change."""
+
+    def __init__(self) -> None:
+        self.predrafting = True
+        self.reason = "default"
+        self.rates = {True: _Rate(), False: _Rate()}
+        self.samples = {True: 0, False: 0}  # steps measured per mode (undecayed)
+        self.glue: collections.deque[tuple[int, float]] = collections.deque(maxlen=GLUE_SAMPLES)
+        self._since_probe = 0
+        self._probe_left = 0
+        self._glue_fit: tuple[tuple, StepCostModel | None] = ((), None)
+
+    # ---- measurements -------------------------------------------------------------------------------
+    def observe_step(self, predrafted: bool, tokens: int, seconds: float) -> None:
+        """A step after a round that pre-drafted (or not): its committed tokens over its verification,
+        lateness and answer time."""
+        if seconds > 0:
+            self.rates[predrafted].add(tokens, seconds)
+            self.samples[predrafted] += 1
+
+    def observe_glue(self, requests: int, seconds: float) -> None:
+        """The pre-draft's work before its branch steps (glue forward and candidate selection), completed."""
+        self.glue.append((requests, seconds))
+
+    def glue_s(self, requests: int) -> float | None:
+        """Seconds the glue of `requests` requests takes (fitted; None before any is measured)."""
+        if not self.glue:
+            return None
+        samples = tuple(self.glue)
+        if samples != self._glue_fit[0]:
+            self._glue_fit = (samples, StepCostModel.fit(samples))
+        return self._glue_fit[1].step_s(requests)
+
+    def rate(self, predrafted: bool) -> float | None:
+        """Measured tokens per second of a mode's steps (None before MIN_STEPS of them)."""
+        return self.rates[predrafted].rate if self.samples[predrafted] >= MIN_STEPS else None
+
+    # ---- the decision --------------------------------------------------------------------------------
+    def decide(self, verify_s: float | None, glue_s: float | None, branch_step_s: float | None,
+               sync_rate_estimate: float | None) -> bool:
+        """Whether the next round pre-drafts. `verify_s`: the measured verification; `glue_s`: the glue of
+        this round's requests; `branch_step_s`: one branch step of the smallest useful plan; both None
+        before measured. `sync_rate_estimate`: tokens per second `sync` drafting would give by the
+        step-cost model (None: unknown), used until `sync` steps are measured."""
+        if self._probe_left > 0:  # a probe runs its rounds to the end
+            self._probe_left -= 1
+            return not self.predrafting
+        wants, reason = self._preferred(verify_s, glue_s, branch_step_s, sync_rate_estimate)
+        if wants != self.predrafting:
+            self.predrafting, self.reason = wants, reason
+            self._since_probe = 0
+            return wants
+        self._since_probe += 1
+        if self._since_probe >= PROBE_EVERY and self._should_probe(sync_rate_estimate):
+            self._since_probe = 0
+            self._probe_left = PROBE_ROUNDS - 1
+            return not self.predrafting
+        return self.predrafting
+
+    def _preferred(self, verify_s, glue_s, branch_step_s, sync_rate_estimate) -> tuple[bool, str]:
+        """The mode the measurements favour, and why."""
+        if verify_s is None:
+            return True, "no verification measured yet"
+        if glue_s is not None and branch_step_s is not None and glue_s + branch_step_s > verify_s:
+            return False, (f"the glue ({1e3 * glue_s:.1f} ms) and one branch step ({1e3 * branch_step_s:.1f} ms) "
+                           f"take longer than the verification ({1e3 * verify_s:.1f} ms)")
+        pre, sync = self.rate(True), self.rate(False)
+        measured = sync is not None
+        if sync is None:
+            sync = sync_rate_estimate
+        if pre is None or sync is None:
+            return self.predrafting, "not measured yet"
+        source = "measured" if measured else "estimated"
+        if pre < sync:
+            return False, f"pre-drafting steps {pre:.1f} tokens/s, sync drafting {sync:.1f} ({source})"
+        return True, f"pre-drafting steps {pre:.1f} tokens/s, sync drafting {sync:.1f} ({source})"
+
+    def _should_probe(self, sync_rate_estimate: float | None) -> bool:
+        """In the fallback always; while pre-drafting, only while its lead over `sync` is not clear."""
+        if not self.predrafting:
+            return True
+        pre, sync = self.rate(True), self.rate(False)
+        sync = sync if sync is not None else sync_rate_estimate
+        return pre is not None and sync is not None and pre < CLEAR_LEAD * sync

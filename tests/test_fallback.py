@@ -1,0 +1,105 @@
+"""The pre-draft switch without a model: a round pre-drafts, or leaves its rows to be drafted after the
+verification as `sync` does, from measured costs only; the other mode is probed so that the choice follows
+the workload (drafter/fallback.py, RoundPlanner.predraft_next)."""
+from __future__ import annotations
+
+import pytest
+
+from saguaro_vllm.drafter.fallback import MIN_STEPS, PROBE_EVERY, PROBE_ROUNDS, PreDraftSwitch
+from saguaro_vllm.drafter.round_planner import RoundPlanner
+
+K, BATCH = 5, 16
+
+
+def _planner_with_costs(verify_s: float, forward_s: float, glue_s: float) -> RoundPlanner:
+    """A planner that measured a verification, draft forwards of the batch's rows and the glue."""
+    planner = RoundPlanner({})
+    planner.observe_round(verify_s, 0.0, ran_branches=False)
+    for _ in range(4):
+        planner.record_forward(BATCH, forward_s)
+    planner.switch.observe_glue(BATCH, glue_s)
+    return planner
+
+
+def _run_rounds(planner: RoundPlanner, n: int, period_s, glue_s: float | None = None) -> list[bool]:
+    """n rounds: each step commits 6 tokens per row in `period_s(predrafted)` seconds (verification and
+    answer) and is credited to the mode of the round before it; a round that pre-drafted measured its glue
+    (`glue_s`); returns each round's decision."""
+    modes = []
+    for _ in range(n):
+        if planner.predrafted and glue_s is not None:
+            planner.switch.observe_glue(BATCH, glue_s)
+        verify_s, answer_s = period_s(planner.predrafted)
+        planner.end_step(answer_s, BATCH * (K + 1), 0, BATCH, jit=True, all_hit=False,
+                         committed=BATCH * (K + 1), verify_s=verify_s)
+        modes.append(planner.predraft_next(BATCH, K))
+    return modes
+
+
+def test_glue_beyond_the_verification_means_no_predraft_and_probes_later():
+    """The glue alone costs more than the verification: no branch can be ready when the request comes, so
+    the plan is "no pre-draft"; every PROBE_EVERY rounds PROBE_ROUNDS rounds pre-draft again."""
+    planner = _planner_with_costs(verify_s=0.058, forward_s=0.02, glue_s=0.1)
+    modes = _run_rounds(planner, 2 * (PROBE_EVERY + PROBE_ROUNDS) + 2, lambda pre: (0.058, 0.1))
+    assert modes[0] is False
+    assert "glue" in planner.switch.reason and "verification" in planner.switch.reason
+    probes = [i for i, m in enumerate(modes) if m]
+    assert len(probes) == 2 * PROBE_ROUNDS, modes  # two probes of PROBE_ROUNDS rounds each, nothing else
+    assert probes[PROBE_ROUNDS] - probes[0] == PROBE_EVERY + PROBE_ROUNDS - 1
+    assert not planner.switch.predrafting
+
+
+def test_predrafting_resumes_when_its_costs_come_back():
+    """After the fallback, a probe that finds the glue cheap again (a faster drafter, a longer
+    verification) and pre-drafting steps faster than `sync` ones brings pre-drafting back for good."""
+    planner = _planner_with_costs(verify_s=0.058, forward_s=0.02, glue_s=0.1)
+    _run_rounds(planner, 3, lambda pre: (0.058, 0.1))
+    assert not planner.switch.predrafting
+    # the glue got cheap: pre-drafting steps take the verification and a short answer (hits), sync steps
+    # K forwards after it
+    modes = _run_rounds(planner, 2 * (PROBE_EVERY + PROBE_ROUNDS) + 10,
+                        lambda pre: (0.058, 0.004 if pre else K * 0.02), glue_s=0.004)
+    assert planner.switch.predrafting and all(modes[-8:]), modes
+    assert "pre-drafting steps" in planner.switch.reason
+
+
+def test_measured_rates_decide_and_the_sync_estimate_stands_in_before_sync_is_measured():
+    """The glue fits, but steps after a pre-draft commit fewer tokens per second than the step-cost model
+    says `sync` drafting would (lateness eats the saving): fall back on that estimate; later measured
+    `sync` steps replace it."""
+    planner = _planner_with_costs(verify_s=0.1, forward_s=0.005, glue_s=0.01)
+    first = _run_rounds(planner, MIN_STEPS + 1, lambda pre: (0.1, 0.09 if pre else K * 0.005))
+    assert first[:MIN_STEPS - 1] == [True] * (MIN_STEPS - 1) and not planner.switch.predrafting
+    assert "estimated" in planner.switch.reason
+    _run_rounds(planner, 2 * MIN_STEPS, lambda pre: (0.1, 0.09 if pre else K * 0.005))
+    assert planner.switch.rate(False) == pytest.approx(BATCH * (K + 1) / (0.1 + K * 0.005))
+
+
+def test_a_clear_lead_is_not_probed():
+    """Pre-drafting far ahead of `sync` (all hits) never spends a round drafting as `sync` does."""
+    planner = _planner_with_costs(verify_s=0.1, forward_s=0.02, glue_s=0.005)
+    modes = _run_rounds(planner, 3 * PROBE_EVERY, lambda pre: (0.1, 0.002 if pre else K * 0.02))
+    assert all(modes)
+
+
+def test_fixed_plans_and_fallback_off_always_predraft():
+    for opts in ({"fallback": "off"}, {"fanout_budget": 8}, {"fanout": [1] * (K + 1)}, {"finish_predraft": True}):
+        planner = RoundPlanner(opts)
+        planner.observe_round(0.01, 0.0, ran_branches=False)
+        for _ in range(4):
+            planner.record_forward(BATCH, 0.05)
+        planner.switch.observe_glue(BATCH, 0.2)
+        assert all(_run_rounds(planner, 20, lambda pre: (0.01, 0.3))), opts
+
+
+def test_switch_credits_steps_to_their_mode_and_fits_the_glue():
+    switch = PreDraftSwitch()
+    assert switch.rate(True) is None and switch.glue_s(4) is None
+    for _ in range(MIN_STEPS):
+        switch.observe_step(True, 10, 0.1)
+        switch.observe_step(False, 10, 0.2)
+    assert switch.rate(True) == pytest.approx(100.0) and switch.rate(False) == pytest.approx(50.0)
+    switch.observe_glue(4, 0.01)
+    switch.observe_glue(16, 0.04)
+    assert switch.glue_s(8) == pytest.approx(0.02)
+    assert switch.decide(None, None, None, None) is True  # nothing measured: pre-draft
