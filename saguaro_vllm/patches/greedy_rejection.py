@@ -19,6 +19,9 @@ The batch qualifies (`fast_path_applies`) only when every part of vLLM's path th
 rows, or that needs more than the output tokens, is off:
 - `all_greedy` (no sampled request: temperature, top-k/top-p, recovered tokens, random numbers);
 - not synthetic rejection (`rejection_sample_method: synthetic` draws uniforms even when greedy);
+- not FLy rejection (vLLM 0.33, `rejection_sample_method: fly`, sets `fly_window_size` on the sampler): its
+  `apply_fly_greedy_acceptance_kernel` rewrites the target argmax from the target rows' entropy before
+  `_rejection_greedy_sample`, so greedy rows need more than the argmax (docs/vllm-compat.md);
 - no logprobs (`max_num_logprobs is None`: vLLM returns logprobs built from the copied rows; nor
   `logprob_token_ids`, which vLLM's path would ignore here, kept out to stay on the plainest case);
 - `no_penalties`, no `allowed_token_ids_mask`, no bad words (`apply_logits_processors` applies these);
@@ -59,6 +62,8 @@ def fast_path_applies(sampler: Any, logits: torch.Tensor, sampling_metadata: Any
 
     md = sampling_metadata
     if not getattr(sampler, MARK, False) or not md.all_greedy or sampler.synthetic_mode:
+        return False
+    if getattr(sampler, "fly_window_size", None) is not None:  # vLLM 0.33's FLy verification (not in 0.32)
         return False
     if md.max_num_logprobs is not None or not md.no_penalties or md.allowed_token_ids_mask is not None:
         return False

@@ -33,6 +33,7 @@ def wrap_create_speculative_config(original):
             raw = self.speculative_config = load_speculative_config_arg(raw)
         if not isinstance(raw, dict) or raw.get("method") != "saguaro":
             return original(self, target_model_config, target_parallel_config)
+        check_model_runner()
         from vllm.platforms import current_platform
 
         from saguaro_vllm.frontend.resolve import resolve_for_engine
@@ -70,6 +71,20 @@ def wrap_create_speculative_config(original):
             self.speculative_config = raw
 
     return create_speculative_config
+
+
+def check_model_runner() -> None:
+    """Refuse Model Runner V2 forced by `VLLM_USE_V2_MODEL_RUNNER=1`: the Saguaro proposer is a `custom_class`
+    proposer, which only the V1 runner calls. vLLM's own check (V2 lists `custom_class` as unsupported and
+    falls back to V1) is skipped when the variable is set, so nothing else would stop it."""
+    from vllm import envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise SaguaroConfigError(
+            "speculative_config.method: 'saguaro' runs on vLLM's V1 model runner (it is a custom_class "
+            "proposer), but VLLM_USE_V2_MODEL_RUNNER=1 forces Model Runner V2, which has no custom_class "
+            "proposers. Unset VLLM_USE_V2_MODEL_RUNNER (vLLM then picks V1 for Saguaro) or set it to 0."
+        )
 
 
 def _max_num_seqs_bound(args, parallel_config) -> int | None:

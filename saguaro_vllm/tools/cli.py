@@ -174,7 +174,25 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_doctor(p: argparse.ArgumentParser) -> None:
+    from saguaro_vllm.tools.doctor import add_arguments
+
+    add_arguments(p)
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from saguaro_vllm.tools.doctor import run
+
+    return run(args)
+
+
 SUBCOMMANDS: dict[str, tuple[str, AddArgs, Run]] = {
+    "doctor": (
+        "check this machine and a speculative config before serving: vLLM, torch/CUDA, GPUs, peer access, ops, "
+        "placement, KV memory, /dev/shm, draft vs target (one line each, OK/WARN/FAIL with the fix)",
+        _add_doctor,
+        _run_doctor,
+    ),
     "bench": (
         "side-by-side benchmark: vLLM AR, vLLM draft_model, Saguaro sync and async (benchmarks/run.py)",
         _add_bench,
@@ -204,6 +222,22 @@ SUBCOMMANDS: dict[str, tuple[str, AddArgs, Run]] = {
 }
 
 
+_VLLM_EXTRA = "pip install 'saguaro-vllm[gpu]' (GPUs) or 'saguaro-vllm[cpu]' (CPU)"
+#: What a subcommand imports beyond saguaro-vllm's own dependencies, and the extra that installs it (vLLM
+#: brings transformers and openai); subcommands not listed need nothing more.
+NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "bench": (("vllm", "openai"), _VLLM_EXTRA),
+    "demo": (("vllm", "openai"), _VLLM_EXTRA),
+    "make-demo-pair": (("transformers",), _VLLM_EXTRA),
+}
+
+
+def missing_modules(command: str) -> list[str]:
+    import importlib.util
+
+    return [m for m in NEEDS.get(command, ((), ""))[0] if importlib.util.find_spec(m) is None]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="saguaro-vllm", description="Speculative Speculative Decoding for vLLM")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -216,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    missing = missing_modules(args.command)
+    if missing:
+        print(f"saguaro-vllm {args.command}: needs {', '.join(missing)}, which is not installed: "
+              f"{NEEDS[args.command][1]}", file=sys.stderr)
+        return 2
     return args._run(args)
 
 
