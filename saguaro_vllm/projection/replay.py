@@ -80,8 +80,8 @@ class OutcomePool:
             return a, rank, t
         # Deeper than k drafts: all k accepted. Such a bonus follows the target at depth k with nothing
         # excluded, like that of a recorded round whose drafts were all accepted: its rank is drawn from
-        # those (-1, never a hit, where there are none; before 2026-12-06 always -1, so a cut-short hit
-        # sent short missed at the next lookup whenever its drafts were all accepted).
+        # those (-1, never a hit, where there are none). Always -1 would make a cut-short hit sent short
+        # miss at the next lookup whenever its drafts were all accepted.
         full = self.full.get(kind)
         return (k, self.rng.choice(full), -1) if full else (k, -1, -1)
 
@@ -298,8 +298,8 @@ class SSDReplay:
         if not self.clock.reaches_plan(n):
             return
         # steps per branch: the drafts the next round wants, as live (`PreDrafter`), not this round's count
-        # (until 2026-12-07 the replay took the count: a hit cut short to 3 drafts planned 3-step branches
-        # where the live run planned 5, and the replay of a run under its own times parted from it there)
+        # (taking the count, a hit cut short to 3 drafts would plan 3-step branches where the live run
+        # plans 5, and the replay of a run under its own times would part from it there)
         k = max(self.rounds[r].want or self.rounds[r].k for r in roots)
         plan = self.planner.plan(len(roots), k)
         pays = self.planner.branches_pay_off(plan, len(roots), k)
