@@ -94,6 +94,14 @@ def test_benchmarks_page_is_current(tmp_path, monkeypatch):
     assert "benchmarks/notes.md" in page and "## Summary and analysis" not in page  # lab notes stay out
 
 
+def test_readme_figures_are_current():
+    """The README's measured figures are the block report.py writes from the newest repeatability result."""
+    repeat, validation = report.headline_inputs()
+    block = "\n".join(report.headline_block(repeat, validation))
+    assert block in (ROOT / "README.md").read_text(), "run: .venv/bin/python benchmarks/report.py"
+    assert f"(benchmarks/results/{repeat['_file']})" in block and "| 1 | 0 | 19.6 / 19.4 | 24.4 / 38.2 |" in block
+
+
 def test_cost_regimes_section_reads_what_it_finds():
     assert "No result yet" in "\n".join(report.regimes_section(None))
     data = {"_file": "2027-01-01-regimes.json", "machine": {"cpu": "x", "cpus": 2}, "date": "2027-01-01T00:00",
