@@ -91,7 +91,7 @@ class SaguaroOptions(BaseModel):
         "rows but a slightly different draft, so acceptance may change (output stays exact: the verifier gets "
         "the probabilities the draft sampled from). `auto`: `packed` for a bfloat16 drafter on CPU where "
         "oneDNN's bf16 path runs, else `onednn` on CPU beside vLLM's CPU build, else `plain`. Figures: "
-        "`benchmarks/bench_linear.py`, [ops.md](ops.md)."
+        "`benchmarks/results/*-linear.json` ([ops.md](ops.md))."
     )
     block_size: int = Field(16, description="Tokens per block of the drafter's paged KV cache: 8, 16, 32, 64 "
                             "or 128.")
