@@ -1,8 +1,10 @@
 """Turn `benchmarks/results/*.json` (from run.py) into `docs/benchmarks.md` and PNG plots in `docs/img/`.
 
-The newest result of each name is reported (older ones stay in `benchmarks/results/` for the record).
-Hand-written analysis lives in `benchmarks/notes.md` and is included verbatim; everything else on the page
-is computed from the results, including the check against the bars of the benchmark issue.
+One section per question (speed against `sync` and `draft_model`, temperature, batch, cost regimes, real
+vocabularies, serving, host overhead, projection, soak), each from the newest result that answers it; older
+results stay in git history. Everything on the page is computed from the results; hand-written analysis and
+lab notes live in `benchmarks/notes.md`, not on the page. `tests/test_bench_report.py` fails when the page
+differs from what this writes.
 
     .venv/bin/python benchmarks/report.py
 """
@@ -290,7 +292,7 @@ def soak_section(data: dict) -> list[str]:
     s, st, m, load = data["summary"], data["settings"], data["memory"], data["load"]
     kills = data.get("kills") or ([data["kill"]] if data.get("kill") else [])  # "kill": results before 12-04
     ms = lambda f: fmt(None if f is None else 1e3 * f, ".1f")  # noqa: E731
-    out = [f"## Soak ({data['date'][:10]})", "",
+    out = ["## Soak", "",
            f"- command: `{data['command']}` (result `benchmarks/results/{data['_file']}`)",
            f"- {st['clients']} concurrent streaming clients for {st['duration_s']:g} s against `vllm serve` on "
            f"127.0.0.1, Saguaro `mode: async`, K={st['k']}; models: {data['models']} (`{data['target']}` / "
@@ -403,7 +405,7 @@ def soak_memory_block(data: dict) -> list[str]:
         f"{ROLE_NAMES.get(role, role)} {mb:+.0f} MB" for role, mb in j["mb"].items() if role != "other")
         for j in m.get("kill_jumps") or [])
     return [SOAK_BEGIN,
-            f"- **In the soak** ([benchmarks.md](benchmarks.md#soak-{data['date'][:10]}), "
+            f"- **In the soak** ([benchmarks.md](benchmarks.md#soak), "
             f"`benchmarks/results/{data['_file']}`: {st['clients']} clients for {st['duration_s']:g} s{greedy}, "
             f"models: {data['models']}; speculation-cache hit rate {fmt(sp.get('cache_hit_rate'), '.3f')}; "
             + (f"1-minute load average {data['load']['loadavg_1min_during']['mean']:.1f} on "
@@ -449,7 +451,7 @@ def _serve_cells(data: dict) -> list[tuple[str, float, int, dict]]:
 def serve_section(data: dict) -> list[str]:
     """`vllm bench serve` figures per dataset, temperature, concurrency and engine, and the TPOT plot."""
     m, st = data["machine"], data["settings"]
-    out = [f"## Serving: `vllm bench serve` ({data['date'][:10]})", "",
+    out = ["## Serving", "", "Every engine as a `vllm serve` driven by vLLM's own `vllm bench serve`.", "",
            f"`benchmarks/bench_serve.py` ({data['_file']}; vLLM's own result JSON of every run in "
            f"`{data['result_dir']}/`): each engine a `vllm serve` of `{data['target']}` (draft `{data['draft']}`), "
            f"driven by vLLM's benchmark client at max concurrency {', '.join(map(str, st['concurrency']))} "
@@ -613,7 +615,7 @@ REAL_VOCAB_ENGINES = (("vllm-ar", "vLLM AR"), ("vllm-draft_model", "vLLM `draft_
 def real_vocab_section(data: dict) -> list[str]:
     """Per vocabulary, batch and temperature: milliseconds per engine step of every engine, Saguaro's against
     `draft_model` (the bar: no more per step), and the proposal ring's memory."""
-    out = _transport_header(data, "Real vocabularies, every engine side by side (issue 26)") + [
+    out = _transport_header(data, "Real vocabularies") + [
            "- every draft is accepted (draft == target), so the per-step difference is each path's own cost; "
            "ms per step = generate wall time / engine steps (AR: one token per step, the others K+1).",
            "- bar (issue 26): Saguaro `async` and `sync` cost no more per step than vLLM `draft_model` at "
@@ -661,7 +663,7 @@ def load_host_overhead() -> list[dict]:
 
 def host_overhead_section(results: list[dict]) -> list[str]:
     """Host time per answer, glue, branch step and jit forward, and transfers per forward, per code tree."""
-    out = ["## Drafter host overhead (issue 28 item 6)", "",
+    out = ["## Host overhead", "",
            "`benchmarks/bench_host_overhead.py`: a compute-free draft (1 layer, hidden 16, one thread), so the time "
            "is the host's: Python, bookkeeping, candidate selection, forks, transfers. Greedy rounds use vocabulary "
            "256; sampled ones the real 128256, where q' over the vocabulary is real CPU work (device work on a GPU): "
@@ -768,64 +770,176 @@ def device_check_lines() -> list[str]:
     return module.report_lines(RESULTS)
 
 
+def case_section(data: dict, title: str, question: str) -> list[str]:
+    """One `run.py` case as a section: how it ran, the table, SSD's ratios with intervals, the bars, the plots."""
+    m = data["machine"]
+    out = [f"## {title}", "", question, "",
+           f"`benchmarks/results/{data['_file']}` ({data['date'][:10]}; {m['cpu']}, {m['cpus']} cores, "
+           f"{m['memory_gb']} GiB; " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ")",
+           f"- command: `{data['command']}`",
+           f"- models: {data['models']} (`{data['target']}` / `{data['draft']}`)",
+           f"- placement `{data['placement']['mode']}` (target cores {data['placement']['target_cores']}, "
+           f"drafter cores {data['placement']['draft_cores']}); {data['placement']['rule']}",
+           f"- {data['num_prompts']} group(s) of `batch` concurrent requests per run, {data['max_tokens']} "
+           f"output tokens each (ignore_eos), {data['rounds']} interleaved round(s); Saguaro K={data['k']}, "
+           f"`draft_model` K tried: {data['k_draft_model']} (best shown)", ""]
+    rows = table_rows(data)
+    out += case_table(data, rows) + interval_table(data, rows) + [""]
+    checks = bars(rows)
+    if checks:
+        out += ["Bars of the benchmark issue on this result:", ""] + checks + [""]
+    for img, caption in plots(data, rows):
+        out += [f"![{caption}](img/{img})", ""]
+    return out
+
+
+def load_regimes() -> dict | None:
+    """The newest `benchmarks/regimes.py` result (`*-regimes.json`), if any."""
+    found = sorted(RESULTS.glob("*-regimes.json"))
+    return json.loads(found[-1].read_text()) | {"_file": found[-1].name} if found else None
+
+
+def _spread(values) -> str:
+    """mean [min-max] (n) of a list of tokens/s, or the one value."""
+    values = [v for v in (values if isinstance(values, list) else [values]) if v is not None]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.2f} (1 run)"
+    return f"{sum(values) / len(values):.2f} [{min(values):.2f}-{max(values):.2f}] ({len(values)} runs)"
+
+
+def regimes_section(data: dict | None) -> list[str]:
+    """Cost regimes: per cell (draft/target cost ratio, vocabulary, batch, T) each engine's tokens/s over its
+    repeats, and SSD's hit rate and pre-draft share. Written defensively: cells or engines a result lacks are
+    shown as "-"."""
+    out = ["## Cost regimes", "",
+           "Where SSD pays: the same engines under draft/target cost ratios, vocabularies, batches and "
+           "temperatures (`benchmarks/regimes.py`).", ""]
+    if data is None:
+        return out + ["No result yet: `benchmarks/results/*-regimes.json` is written by `benchmarks/regimes.py`.", ""]
+    m = data.get("machine") or {}
+    out += [f"`benchmarks/results/{data['_file']}` ({str(data.get('date', '?'))[:10]}; {m.get('cpu', '?')}, "
+            f"{m.get('cpus', '?')} cores); settings: `{json.dumps(data.get('settings', {}))}`", "",
+            "| ratio | vocab | batch | T | `sync` tok/s | SSD tok/s | `draft_model` tok/s | SSD hit rate | "
+            "SSD pre-draft share |", "|---:|---:|---:|---:|---|---|---|---:|---:|"]
+    for c in data.get("cells") or []:
+        e = c.get("engines") or {}
+        ssd = e.get("async") or {}
+        out.append(f"| {c.get('ratio', '-')} | {c.get('vocab', '-')} | {c.get('batch', '-')} | "
+                   f"{c.get('temperature', '-')} | {_spread((e.get('sync') or {}).get('tokens_per_s'))} | "
+                   f"{_spread(ssd.get('tokens_per_s'))} | {_spread((e.get('draft_model') or {}).get('tokens_per_s'))} "
+                   f"| {fmt(ssd.get('hit_rate'), '.3f')} | {fmt(ssd.get('predraft_share'), '.2f')} |")
+    if data.get("goals"):
+        out += ["", f"Goals: `{json.dumps(data['goals'])}`"]
+    return out + [""]
+
+
+#: The page's questions: (title, the case of benchmarks/cases.json that answers it, what it asks).
+CASE_SECTIONS = (
+    ("Speed against `sync` and `draft_model`", "cost-matrix",
+     "Tokens/s per sequence of every engine on the cost-matched demo pair, batch 1-16, T = 0 / 0.7 / 1. One round "
+     "per cell: the spread is the interval over requests; how far a cell moves between runs is under "
+     "[Projection](#projection), repeatability."),
+    ("Temperature", "temperature",
+     "Sampled requests (T = 0.7, 1.0) at batch 1 and 4: the speculation cache hits less often when the target "
+     "samples."),
+    ("Batch", "batch-sweep-32-64", "Larger batches (32, 64): verification grows with the batch, pre-drafting pays "
+     "less."),
+)
+
+
 def render(results: list[dict]) -> str:
+    """The whole page: one section per question, each from the newest result that answers it."""
+    by_name = {d["name"]: d for d in results}
     out = ["# Benchmarks", "",
-           "Generated by `benchmarks/report.py` from `benchmarks/results/*.json` (written by "
-           "`benchmarks/run.py`); the newest result of each name is shown. Reproduce from scratch on a fresh "
-           "clone, after `make setup`: `make bench` (runs the cases below, then this report).", ""]
-    if NOTES.exists():
-        out += [NOTES.read_text().rstrip(), ""]
-    for data in results:
-        m = data["machine"]
-        out += [f"## {data['name']} ({data['date'][:10]})", "",
-                f"- command: `{data['command']}`",
-                f"- machine: {m['cpu']}, {m['cpus']} cores, {m['memory_gb']} GiB; {m['platform']}; versions "
-                + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
-                f"- models: {data['models']} (`{data['target']}` / `{data['draft']}`)",
-                f"- placement `{data['placement']['mode']}` (target cores {data['placement']['target_cores']}, "
-                f"drafter cores {data['placement']['draft_cores']}); {data['placement']['rule']}",
-                f"- {data['num_prompts']} group(s) of `batch` concurrent requests per run, {data['max_tokens']} "
-                f"output tokens each (ignore_eos), {data['rounds']} interleaved round(s); Saguaro K={data['k']}, "
-                f"`draft_model` K tried: {data['k_draft_model']} (best shown)", ""]
-        if data.get("sweep"):
-            out += sweep_section(data) + [""]
-            continue
-        rows = table_rows(data)
-        out += case_table(data, rows) + interval_table(data, rows) + [""]
-        checks = bars(rows)
-        if checks:
-            out += ["Bars of the benchmark issue on this result:", ""] + checks + [""]
-        for img, caption in plots(data, rows):
-            out += [f"![{caption}](img/{img})", ""]
-    serve = load_serve()
-    if serve is not None:
-        out += serve_section(serve)
-    soak = load_latest_soak()
-    if soak:
-        out += soak_section(soak)
-    ceiling = load_latest_ceiling()
-    if ceiling is not None:
-        out += ceiling_section(ceiling)
-    curve = load_latest_verify_curve()
-    if curve is not None:
-        out += verify_curve_section(curve)
+           "Generated by `benchmarks/report.py` from `benchmarks/results/*.json`: one section per question, each "
+           "from the newest result that answers it, with the command, the machine and the spread. Earlier results "
+           "stay in git history; analysis and lab notes are in `benchmarks/notes.md`. Reproduce from scratch on a "
+           "fresh clone, after `make setup`: `make bench`.", "",
+           "Every figure here was measured on CPUs, with the locally trained demo pair ([demo-pair.md](demo-pair.md):"
+           " a small target and draft zero-padded to cost like 409M and 50M-parameter models); no GPU ran any of "
+           "it. The GPU figures under [Projection](#projection) are a replay under a GPU cost model, not a "
+           "measurement.", ""]
+    for title, name, question in CASE_SECTIONS:
+        if name in by_name:
+            out += case_section(by_name[name], title, question)
+    out += regimes_section(load_regimes())
     real_vocab = load_real_vocab()
     if real_vocab is not None:
         out += real_vocab_section(real_vocab)
+    serve = load_serve()
+    if serve is not None:
+        out += serve_section(serve)
     host = load_host_overhead()
     if host:
         out += host_overhead_section(host)
-    transport = load_transport()
-    if transport is not None:
-        out += transport_section(transport)
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sections beside it
     import report_projection
 
     out += report_projection.section()
     out += device_check_lines()
-    out += ["## Custom ops (CPU)", "", "See [ops.md](ops.md) for the ops measured against their plain-torch "
-            "references (`benchmarks/bench_ops.py`).", ""]
+    soak = load_latest_soak()
+    if soak:
+        out += soak_section(soak)
     return "\n".join(out)
+
+
+README = ROOT / "README.md"
+HEADLINE_BEGIN = ("<!-- headline:begin (generated by benchmarks/report.py from the newest "
+                  "benchmarks/results/*-repeatability*.json; edits here are overwritten) -->")
+HEADLINE_END = "<!-- headline:end -->"
+
+
+def headline_block(repeat: dict, validation: dict | None) -> list[str]:
+    """The README's figures: SSD against `sync` per cell of the newest repeatability result (every run of each
+    cell, not one), with its pair, machine, date and file; vLLM AR at batch 1 from the validation it repeats."""
+    m = repeat["machine"]
+    out = [HEADLINE_BEGIN,
+           f"Demo pair (cost-matched), K=5, 256 tokens per request, {m['cpu']} with {m['cpus']} cores (target on "
+           f"one, drafter on the other), {repeat['date'][:10]}; each cell recorded {min(c['runs'] for c in repeat['cells'])}"
+           f" times, every run shown ([{repeat['_file']}](benchmarks/results/{repeat['_file']})). Tokens/s of the "
+           "whole batch:", "",
+           "| batch | T | `sync` tokens/s | SSD (`async`) tokens/s | SSD / `sync` (means) | SSD hit rate |",
+           "|---:|---:|---|---|---:|---:|"]
+    cells = {(c["mode"], c["batch"], c["temperature"]): c for c in repeat["cells"]}
+    for (mode, b, t), ssd in sorted(cells.items()):
+        sync = cells.get(("sync", b, t))
+        if mode != "async" or sync is None:
+            continue
+        runs = lambda c: " / ".join(f"{x['tokens_per_s']:.1f}" for x in c["measured"])  # noqa: E731
+        out.append(f"| {b} | {t:g} | {runs(sync)} | {runs(ssd)} | "
+                   f"{ssd['tokens_per_s_mean'] / sync['tokens_per_s_mean']:.2f}x | {fmt(ssd.get('hit_rate_mean'), '.2f')} |")
+    widest = max(repeat["cells"], key=lambda c: c.get("tokens_spread") or 0)
+    out += ["", f"Between recordings of the same cell the faster run is up to {100 * widest['tokens_spread']:.0f} % "
+            f"above the slower ({widest['mode']}, batch {widest['batch']}, T={widest['temperature']:g}): read "
+            "single figures with that spread in mind."]
+    ar = next((x for x in (validation or {}).get("vllm_ar") or [] if x["batch"] == 1), None)
+    if ar is not None:
+        out[-1] += (f" vLLM without speculation at batch 1: {ar['measured_per_seq']:.2f} tokens/s (one run, "
+                    f"[{validation['_file']}](benchmarks/results/{validation['_file']})).")
+    return out + [HEADLINE_END]
+
+
+def sync_readme(repeat: dict, validation: dict | None, path: Path = README) -> bool:
+    """Rewrite the README's generated headline block; False (README untouched) without its markers."""
+    text = path.read_text()
+    if HEADLINE_BEGIN not in text or HEADLINE_END not in text:
+        return False
+    head, rest = text.split(HEADLINE_BEGIN, 1)
+    path.write_text(head + "\n".join(headline_block(repeat, validation)) + rest.split(HEADLINE_END, 1)[1])
+    return True
+
+
+def headline_inputs() -> tuple[dict | None, dict | None]:
+    """The newest repeatability result and the validation it repeats (by the file it names)."""
+    found = sorted(RESULTS.glob("*-repeatability*.json"))
+    if not found:
+        return None, None
+    repeat = json.loads(found[-1].read_text()) | {"_file": found[-1].name}
+    name = (repeat.get("against_validation") or {}).get("validation")
+    validation = json.loads((RESULTS / name).read_text()) | {"_file": name} if name and (RESULTS / name).exists() else None
+    return repeat, validation
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -836,6 +950,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     PAGE.write_text(render(results))
     print(f"wrote {PAGE} from {', '.join(d['_file'] for d in results)}")
+    repeat, validation = headline_inputs()
+    if repeat is not None and sync_readme(repeat, validation):
+        print(f"wrote the headline block of {README} from {repeat['_file']}")
     soak = load_latest_soak()
     if soak and sync_troubleshooting(soak):
         print(f"wrote the soak block of {TROUBLESHOOTING} from {soak['_file']}")

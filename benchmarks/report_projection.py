@@ -139,7 +139,7 @@ def section() -> list[str]:
     deeper = _newest("*-projection-gpu-k8.json")
     if validation is None and projection is None:
         return []
-    out = ["## Projected on GPUs (a projection, not a measurement)", "",
+    out = ["## Projection", "", "GPU figures projected from CPU runs (a projection, not a measurement).", "",
            "No GPU ran any of this. Recorded runs are replayed through the product's own policy code under "
            "another cost model ([projection.md](projection.md)); the replay is believed only as far as the "
            "validation below reproduces what this machine measured.", ""]
@@ -150,9 +150,7 @@ def section() -> list[str]:
         out += repeatability_lines(repeat)
     if projection is not None:
         out += projection_lines(projection)
-    if deeper is not None:
-        out += ["**Deeper drafts (K=8)**: the same projection from traces recorded with 8 drafts per row "
-                "(`validate_projection.py --k 8 --record-only`). `sync` drafts 8 tokens too, so the ratio shows "
-                "what taking a longer drafting off the critical path buys under GPU costs.", ""]
-        out += projection_lines(deeper)
+    if deeper is not None:  # its table is in the result file; the page names it only
+        out += [f"The same projection from traces recorded with 8 drafts per row: `benchmarks/results/{deeper['_file']}`.",
+                ""]
     return out

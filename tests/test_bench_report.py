@@ -82,7 +82,6 @@ def _result(engine, b, t, speed, **extra):
 
 def test_report_tables_bars_and_plots(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "IMG", tmp_path / "img")
-    monkeypatch.setattr(report, "NOTES", tmp_path / "none.md")
     results = []
     for b in (1, 4):
         for t in (0.0, 1.0):
@@ -90,13 +89,13 @@ def test_report_tables_bars_and_plots(tmp_path, monkeypatch):
                         _result("vllm-draft_model-k5", b, t, 12.0), _result("saguaro-sync", b, t, 12.5),
                         _result("saguaro-async", b, t, 17.0 if t == 0 else 12.0, hit_rate=0.9 if t == 0 else 0.5,
                                 predraft_ms=150.0, verify_ms=180.0)]
-    data = {"name": "unit", "date": "2026-12-02T00:00:00", "command": "run.py", "models": "cost",
+    data = {"name": "unit", "_file": "2026-12-02-unit.json", "date": "2026-12-02T00:00:00", "command": "run.py", "models": "cost",
             "target": "/t", "draft": "/d", "num_prompts": 1, "max_tokens": 8, "rounds": 1, "k": 5,
             "k_draft_model": "3,5", "machine": {"cpu": "x", "cpus": 2, "memory_gb": 24, "platform": "linux",
                                                 "versions": {"vllm": "0.32.0"}},
             "placement": {"mode": "split", "rule": "r", "target_cores": "0", "draft_cores": "1"},
             "results": results}
-    page = report.render([data])
+    page = "\n".join(report.case_section(data, "Unit", "What the unit case asks."))
     assert "| 1 | 0 | vLLM `draft_model` K=5 | 12.00 |" in page  # the best K is shown
     assert "SSD >= 1.5x vLLM `draft_model` (batch 1, T=0): 1.42x, **not met**" in page
     assert "SSD >= 1.3x Saguaro `sync` (batch 1, T=0): 1.36x, met" in page
@@ -104,6 +103,35 @@ def test_report_tables_bars_and_plots(tmp_path, monkeypatch):
     assert "worst 0.960x" in page
     for img in ("unit-throughput.png", "unit-speedup.png", "unit-temperature.png"):
         assert (tmp_path / "img" / img).stat().st_size > 1000 and f"img/{img}" in page
+
+
+def test_benchmarks_page_is_current(tmp_path, monkeypatch):
+    """docs/benchmarks.md is what `benchmarks/report.py` writes from benchmarks/results/ (run it after a bench)."""
+    monkeypatch.setattr(report, "IMG", tmp_path / "img")
+    page = report.render(report.load_latest())
+    assert page == (ROOT / "docs" / "benchmarks.md").read_text(), "run: .venv/bin/python benchmarks/report.py"
+    assert "benchmarks/notes.md" in page and "## Summary and analysis" not in page  # lab notes stay out
+
+
+def test_readme_figures_are_current():
+    """The README's measured figures are the block report.py writes from the newest repeatability result."""
+    repeat, validation = report.headline_inputs()
+    block = "\n".join(report.headline_block(repeat, validation))
+    assert block in (ROOT / "README.md").read_text(), "run: .venv/bin/python benchmarks/report.py"
+    assert f"(benchmarks/results/{repeat['_file']})" in block and "| 1 | 0 | 19.6 / 19.4 | 24.4 / 38.2 |" in block
+
+
+def test_cost_regimes_section_reads_what_it_finds():
+    assert "No result yet" in "\n".join(report.regimes_section(None))
+    data = {"_file": "2027-01-01-regimes.json", "machine": {"cpu": "x", "cpus": 2}, "date": "2027-01-01T00:00",
+            "settings": {"k": 5}, "cells": [
+                {"ratio": 0.05, "vocab": 32000, "batch": 1, "temperature": 0,
+                 "engines": {"sync": {"tokens_per_s": [10.0, 12.0]}, "async": {"tokens_per_s": [15.0, 16.0, 17.0],
+                             "hit_rate": 0.91, "predraft_share": 0.4}}},
+                {"ratio": 0.5, "batch": 4, "engines": {}}]}
+    text = "\n".join(report.regimes_section(data))
+    assert "| 0.05 | 32000 | 1 | 0 | 11.00 [10.00-12.00] (2 runs) | 16.00 [15.00-17.00] (3 runs) | - | 0.910 | 0.40 |" in text
+    assert "| 0.5 | - | 4 | - | - | - | - | - | - |" in text
 
 
 def test_sweep_report(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""The configuration reference documents every option with its default, and the shipped configs are valid."""
+"""The configuration reference is the pydantic model's own text, with every option and default; the shipped
+configs are valid."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import pathlib
 import pytest
 
 from saguaro_vllm.frontend.config import SaguaroConfig, SaguaroOptions, parse_speculative_config
+from saguaro_vllm.tools import config_doc
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -31,3 +33,23 @@ def test_top_level_keys_documented(name):
 def test_shipped_configs_parse(path):
     cfg = parse_speculative_config(json.loads(path.read_text()))[0]
     assert cfg.method == "saguaro"
+
+
+def test_configuration_page_is_generated_from_the_model():
+    """docs/configuration.md's option tables are what `python -m saguaro_vllm.tools.config_doc` writes."""
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert config_doc.current(page) == page, "run: python -m saguaro_vllm.tools.config_doc"
+
+
+def test_a_changed_description_makes_the_page_stale(monkeypatch):
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    monkeypatch.setattr(SaguaroOptions.model_fields["draft_cores"], "description", "a different text")
+    assert config_doc.current(page) != page
+    assert "| `draft_cores` | list of int or null | `null` | a different text |" in config_doc.render_block()
+
+
+def test_type_column_reads_the_annotations():
+    fields = SaguaroOptions.model_fields
+    assert config_doc.type_text(fields["kv_cache_gb"].annotation) == 'float or `"auto"`'
+    assert config_doc.type_text(fields["fanout"].annotation) == "list of int or null"
+    assert config_doc.type_text(fields["cuda_graphs"].annotation) == 'bool or `"auto"`'

@@ -4,8 +4,8 @@
 {"method": "saguaro", "model": "<draft dir or HF id>", "num_speculative_tokens": 5,
  "saguaro": {"mode": "async", "device": "auto", ...}}
 ```
-Every Saguaro knob lives in the nested `"saguaro"` object (`SaguaroOptions`); `docs/configuration.md`
-documents each field. Errors name the field and the fix, and are raised in the front-end process, before
+Every Saguaro knob lives in the nested `"saguaro"` object (`SaguaroOptions`). The Field descriptions are the
+one text of each option: `saguaro-vllm config-doc` writes them into docs/configuration.md. Errors name the field and the fix, and are raised in the front-end process, before
 any engine process starts.
 """
 from __future__ import annotations
@@ -37,113 +37,146 @@ class SaguaroOptions(BaseModel):
 
     mode: Literal["sync", "async"] = Field(
         "async",
-        description="`async` (default): speculative speculative decoding (SSD): the drafter pre-drafts "
-        "likely outcomes during verification and answers from its speculation cache. `sync`: the drafter "
-        "drafts K tokens after each verification while the target waits (optimized speculative decoding; "
-        "kept for comparison).",
+        description="`async`: speculative speculative decoding (SSD): while the target verifies, the drafter "
+        "pre-drafts the likely outcomes into a speculation cache, so that on a hit the next drafts are ready at "
+        "once; when pre-drafting does not pay (low hit rate, large batch) it falls back to per-row backups and "
+        "behaves like `sync` ([algorithm.md](algorithm.md)). The options marked `async` only tune it. `sync`: "
+        "after each verification the drafter drafts K tokens while the target waits (optimized speculative "
+        "decoding in our own runtime), kept for comparison.",
     )
     device: str = Field(
         "auto",
-        description="Where the draft model runs: `cpu`, `cuda:N`, or `auto` (CPU on a CPU build of vLLM; "
-        "on GPUs the first GPU after the target's tensor-parallel GPUs).",
+        description="Where the draft model runs: `auto`, `cpu` or `cuda:N`. `auto`: CPU with the CPU build of "
+        "vLLM (which accepts only `cpu` and `auto`); on GPUs the first GPU after the target's tensor x pipeline "
+        "parallel GPUs (`cuda:{TP x PP}`; an error if there is none: give `cuda:N` to share a GPU). Under vLLM's "
+        "Ray executor `auto` is an error: give `cuda:N` as the output rank's worker sees its GPUs, or `cpu` "
+        "(Topology below). A draft whose attention the drafter cannot run on that device is refused (on GPUs: "
+        "a head size under 16 where the drafter runs vLLM's attention kernels; with its own CUDA kernel, head "
+        "sizes other than 64 and 128 or more than 8 query heads per key/value head; on CPU, shapes the C++ "
+        "kernel cannot take run the slower plain-torch attention, with a warning).",
     )
     draft_cores: list[int] | None = Field(
         None,
-        description="CPU only: the core ids the drafter process is pinned to. Default: the upper half of "
-        "the cores this process may use (at least one).",
+        description="CPU only: the cores the drafter process is pinned to (and its torch thread count). "
+        "Default: one target rank's share of the cores this process may use, rounded up, from the top (the "
+        "upper half with one target rank), or the cores not in `target_cores` when that is given. Must be "
+        "disjoint from the target's cores unless `share_cores` is set.",
     )
     target_cores: list[int] | None = Field(
         None,
-        description="CPU only: the core ids of the target worker (sets VLLM_CPU_OMP_THREADS_BIND unless "
-        "you set it yourself). Default: the cores not given to the drafter.",
+        description="CPU only: the cores of the target's ranks, split into one contiguous slice per rank "
+        "(TP x PP). Sets `VLLM_CPU_OMP_THREADS_BIND` (`0-15|16-31` style) unless you set that variable "
+        "yourself (then your binding, one list per rank, is used and the drafter gets the other cores). "
+        "Default: the cores not given to the drafter.",
     )
     share_cores: bool = Field(
         False,
         description="CPU only: let the drafter share cores with the target's ranks when the machine has "
-        "fewer cores than target ranks (tensor x pipeline parallel) plus one; both then run slower (a "
-        "warning says so). Without it, overlapping draft and target cores are a config error.",
+        "fewer cores than target ranks (tensor x pipeline parallel) plus one (e.g. TP=2 on 2 cores); both then "
+        "run slower (one warning says so). Without it, overlapping draft and target cores are a config error "
+        "naming this field.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Draft weights and KV dtype. `auto`: on CPU bfloat16 where the CPU has bf16 "
-        "matrix instructions (AVX512-BF16 or AMX), else float32; the target's dtype on GPU."
+        "auto", description="Draft weights and KV cache dtype. `auto`: on CPU bfloat16 where the CPU has bf16 "
+        "matrix instructions (AVX512-BF16 or AMX), else float32; on GPU the target's dtype. The draft's "
+        "precision never affects exactness."
     )
     linear: Literal["auto", "plain", "packed", "onednn", "int8"] = Field(
-        "auto", description="The matmul path of the draft's linear layers. `plain`: `F.linear`. `packed`: CPU, "
-        "bfloat16: oneDNN with weights pre-packed once at load (same numerics, ~1.4x faster). `onednn`: CPU, "
-        "float32 or bfloat16: vLLM's own CPU GEMM (`torch.ops._C.onednn_mm`, a pre-packed oneDNN handler per "
-        "layer, as vLLM's CPU runner uses; 1.4-3x faster than `F.linear` from 2 rows on). `int8`: CPU: "
-        "int8 weights per output channel, activations quantized per call (fbgemm; 2-3x faster at 1-13 rows, "
-        "a slightly different draft, so acceptance may change; output stays exact). `auto`: `packed` for a "
-        "bfloat16 drafter on CPU where oneDNN's bf16 path runs, else `onednn` on CPU where vLLM's CPU build is "
-        "installed, else `plain`."
+        "auto", description="The matmul path of the draft's linear layers. `plain`: `F.linear`. `packed` (CPU, "
+        "bfloat16): oneDNN with the weights pre-packed once at load; same numerics as plain bf16, ~1.4x faster "
+        "per layer. `onednn` (CPU, float32 or bfloat16): vLLM's own CPU GEMM (`torch.ops._C.onednn_mm`, one "
+        "pre-packed oneDNN handler per layer, as vLLM's CPU runner uses), 1.4-3x faster than `F.linear` from "
+        "2 rows on; one-row calls use `F.linear` where that is faster (timed at load). `int8` (CPU): int8 "
+        "weights per output channel, activations quantized per call (fbgemm); 2-3x faster per layer up to ~13 "
+        "rows but a slightly different draft, so acceptance may change (output stays exact: the verifier gets "
+        "the probabilities the draft sampled from). `auto`: `packed` for a bfloat16 drafter on CPU where "
+        "oneDNN's bf16 path runs, else `onednn` on CPU beside vLLM's CPU build, else `plain`. Figures: "
+        "`benchmarks/results/*-linear.json` ([ops.md](ops.md))."
     )
-    block_size: int = Field(16, description="Tokens per block of the drafter's paged KV cache.")
+    block_size: int = Field(16, description="Tokens per block of the drafter's paged KV cache: 8, 16, 32, 64 "
+                            "or 128.")
     kv_cache_gb: float | Literal["auto"] = Field(
-        "auto", description="Memory for the drafter's KV cache, in GiB (sizes the number of blocks). `auto`: "
-        "1 GiB on CPU and on a GPU shared with the target (or placed by Ray); on a GPU of its own, half of that "
-        "GPU's free memory measured by the drafter after loading the draft (at least 1 GiB while that leaves "
-        "512 MiB free)."
+        "auto", description="Memory of the drafter's KV cache in GiB, > 0; it sizes the number of blocks and is "
+        "resident from start-up. `auto`: 1 GiB on CPU, on a GPU the drafter shares with the target (`cuda:N` "
+        "with N < TP x PP) and under vLLM's Ray executor; on a GPU of its own, half of that GPU's free memory "
+        "measured by the drafter after loading the draft (at least 1 GiB while that leaves 512 MiB free; the "
+        "`Saguaro drafter ready` log line gives `kv_cache_gib`). A cache that holds no block is an error; one "
+        "that holds fewer tokens than `max_model_len` a start-up warning. When it is full, rows that do not fit "
+        "get no drafts (exact, unspeculated) until room frees up: room is made first from pre-drafted branches, "
+        "then from the KV of requests absent from the step, least recently used first; "
+        "`vllm:saguaro_rows_no_room_total` counts such rows ([metrics.md](metrics.md)).",
     )
     max_sampled_rows: int | Literal["auto"] = Field(
         "auto",
-        description="Rows of the proposal ring, the shared memory (/dev/shm) through which sampled rows' draft "
-        "probabilities reach vLLM's rejection sampler: 2 x rows x K x vocab x 4 bytes reserved (a sparse "
-        "file: only rows written use memory). A step verifies sampled drafts for at most this many drafted "
-        "rows (while one row is sampled, every drafted row of the step takes a ring row); sampled rows "
-        "beyond it get no drafts that step (exact, slower; counted). `auto`: min(max_num_seqs, 256). 0: no "
-        "ring: sampled requests get no drafts.",
+        description="Rows of the proposal ring, the shared memory through which sampled rows' draft "
+        "probabilities reach vLLM's rejection sampler: 2 x rows x K x vocab x 4 bytes reserved in `/dev/shm` "
+        "(else the temp dir; a sparse file: only rows written use memory). A step verifies sampled drafts for "
+        "at most this many drafted rows (while one row is sampled, every drafted row of the step takes a ring "
+        "row); sampled rows beyond it get no drafts that step (exact, slower; counted on "
+        "`vllm:saguaro_sampled_rows_capped_total`). `auto`: min(max_num_seqs, 256). 0: no ring: sampled "
+        "requests get no drafts, greedy ones do. The front end checks the worst case fits ([troubleshooting]"
+        "(troubleshooting.md#the-proposal-ring-shared-memory)).",
     )
     proposal_transport: Literal["auto", "host", "device"] = Field(
         "auto", description="Where the proposal ring's slots live. `host`: the shared-memory file (a CUDA target "
         "then gets one copy of the used rows per step). `device`: the target GPU's memory, shared with the "
-        "drafter by a CUDA IPC handle and written by its GPU directly (no host round trip); needs a CUDA "
-        "target and drafter on the same GPU or with peer access, and the drafter seeing the worker's GPUs. "
-        "`auto`: `device` where that holds, else `host`.",
+        "drafter by a CUDA IPC handle and written by its GPU directly (no host round trip): 2 x rows x K x "
+        "vocab x 4 bytes of the target GPU reserved whole (1.3 GB at 256 rows, K=5, vocab 128256; lower "
+        "`max_sampled_rows` to shrink it); needs a CUDA target and drafter on the same GPU or with peer access, "
+        "and the drafter seeing the worker's GPUs. `auto`: `device` where that holds, else `host`.",
     )
     max_tokens_per_forward: int = Field(
-        2048, description="Prefill chunk size: at most this many tokens of one request per drafter forward "
-        "(long prompts are prefilled in chunks)."
+        2048, description="Prefill chunk size, >= 16: at most this many tokens of one request per drafter "
+        "forward (long prompts are prefilled in chunks)."
     )
     cuda_graphs: bool | Literal["auto"] = Field(
         "auto", description="Run the drafter's one-token forwards (branch steps, just-in-time drafts) as CUDA "
         "graphs: rows rounded up to buckets 1, 2, 4 ... 2048, one graph per bucket captured when the drafter "
-        "starts, replayed after (needs vLLM's FlashAttention or Triton attention; forwards with more rows or "
-        "contexts past max_model_len (default 8192 tokens) run eagerly). `auto`: on for a CUDA drafter, off on "
-        "CPU. `true` on a CPU drafter is an error.",
+        "starts, replayed after (needs vLLM's FlashAttention or Triton attention, or the drafter's compiled "
+        "CUDA decode attention; forwards with more rows or contexts past max_model_len (default 8192 tokens) "
+        "run eagerly). The graphs' memory pool holds the activations of the largest bucket, taken after the KV "
+        "cache is sized. The Ready line's `graphs` says what runs: `cuda-graphs`, `static` or `dynamic`. "
+        "`auto`: on for a CUDA drafter, off on CPU. `true` on a CPU drafter is an error.",
     )
     step_timeout_s: float = Field(
         30.0,
         description="Upper bound of the wait for the drafter's answer in one step (the wait itself is derived "
-        "from measured step times, see step_deadline_floor_s), and the longest a drafter that is still "
-        "computing may take before it is restarted. The request continues without speculation; output is "
-        "unaffected.",
+        "from measured step times, see `step_deadline_floor_s`), and the longest a drafter that is still "
+        "computing (e.g. a very long prompt) may take before it is restarted. Steps without an answer proceed "
+        "with no drafts; output is unaffected.",
     )
     step_deadline_floor_s: float = Field(
         1.0,
         description="Lower bound of the derived per-step wait (8 x the recent p99 of answered steps): a hung "
-        "drafter costs one wait of about this long, then it is restarted in the background.",
+        "drafter costs one wait of about this long, then it is restarted in the background. Lower it for fast "
+        "(GPU) drafters whose steps take milliseconds.",
     )
     max_restarts: int = Field(
-        5, description="Drafter restarts allowed (1 s, 2 s, 4 s ... apart) before speculation is disabled; "
-        "the budget refills after 10 minutes of healthy service.",
+        5, description="Drafter restarts (after a crash or hang) allowed before speculation is disabled, "
+        "0-1000; the first is immediate, the next wait 1 s, 2 s, 4 s ... (at most 60 s). The budget refills "
+        "after 10 minutes of healthy service.",
     )
-    startup_timeout_s: float = Field(600.0, description="How long to wait for the drafter process to load.")
-    log_interval_s: float = Field(10.0, description="Seconds between Saguaro log lines (0 disables).")
+    startup_timeout_s: float = Field(
+        600.0, description="How long vLLM's model loading waits for the first drafter to load; one that cannot "
+        "load the draft (bad path or weights) disables speculation at once and logs why."
+    )
+    log_interval_s: float = Field(10.0, description="Seconds between Saguaro log lines in the worker's log "
+                                  "(0 disables them).")
     fanout: list[int] | None = Field(
         None,
-        description="`async` only: fixed fan-out per accepted depth 0..K (K+1 numbers: how many bonus "
-        "tokens to pre-draft for \"exactly j drafts accepted\"). Default: computed online from the measured "
-        "acceptance rate (geometric allocation) and sized to finish before the verification returns.",
+        description="`async` only: fixed fan-out per accepted depth 0..K (K+1 numbers summing to 1..256: how "
+        "many bonus tokens to pre-draft for \"exactly j drafts accepted\"). Default: computed online from the "
+        "measured acceptance rate (geometric allocation) and sized to finish before the verification returns.",
     )
     fanout_budget: int | None = Field(
         None,
-        description="`async` only: fixed number of pre-drafted branches per request and round (the fan-out "
-        "is spread over the depths automatically). Default: sized from measured drafter step and "
-        "verification times. Ignored when `fanout` is set.",
+        description="`async` only: fixed number of pre-drafted branches per request and round, 1-256 (the "
+        "fan-out is spread over the depths automatically). Default: sized from measured drafter step and "
+        "verification times. An error together with `fanout`.",
     )
     max_fanout_budget: int = Field(
-        128, description="`async` only: upper bound of the automatically sized branches per request and round "
-        "(the planner sizes the budget from measured costs below it; on a CPU core it stays far below)."
+        128, description="`async` only: upper bound of the automatically sized branches per request and round, "
+        "1-256 (the planner sizes the budget from measured costs below it; on a CPU core it stays far below)."
     )
     miss_fanout: list[int] | None = Field(
         None,
@@ -154,11 +187,11 @@ class SaguaroOptions(BaseModel):
     backup: Literal["auto", "jit", "ngram"] = Field(
         "auto",
         description="`async` only: what a speculation-cache miss gets. `jit`: the drafter drafts K tokens "
-        "now (on the critical path). `ngram`: drafts copied from an earlier occurrence of the context's "
-        "last tokens (nearly free, rarely accepted). `auto`: per row, a miss (or a hit whose branch was cut "
+        "now (on the critical path). `ngram`: the tokens that followed an earlier occurrence of the context's "
+        "last 1-3 tokens (nearly free, rarely accepted). `auto`: per row, a miss (or a hit whose branch was cut "
         "short) is drafted now only when the tokens it adds are worth the time the whole batch then waits, "
         "given the measured timings, acceptance and the batch's tokens per second; the other misses keep "
-        "their n-gram drafts, so hit rows are not delayed (docs/algorithm.md).",
+        "their n-gram drafts, so hit rows are not delayed ([algorithm.md](algorithm.md#backups)).",
     )
     depth: Literal["fixed", "auto"] = Field(
         "fixed",
@@ -166,7 +199,7 @@ class SaguaroOptions(BaseModel):
         "num_speculative_tokens is the maximum (vLLM cannot verify more than the K it started with; start "
         "with e.g. 8 to let it go deeper than 5) and each step the drafter returns the depth that "
         "maximises the estimated tokens per second from the measured acceptance, cache hit rate, "
-        "verification time per verified token and draft step times (drafter/depth_choice.py).",
+        "verification time per verified token and draft step times ([algorithm.md](algorithm.md#depth)).",
     )
     fallback: Literal["auto", "off"] = Field(
         "auto",
@@ -189,20 +222,20 @@ class SaguaroOptions(BaseModel):
         "its distribution with the top-F probabilities (F = that depth's fan-out) multiplied by C, which "
         "raises the cache hit rate and lowers acceptance. 1 disables it. `\"auto\"`: C is chosen per round "
         "of each sampled request from 1, 0.75, 0.5, 0.25 by the measured tokens per second of each, per "
-        "temperature (drafter/scale_choice.py). Output stays exact for any C.",
+        "temperature. Output stays exact for any C.",
     )
 
     trace_dir: str | None = Field(
         None,
-        description="Directory for the drafter's replay trace (off when null): per step and row the "
-        "verification outcome, the ranked candidates per depth, what was pre-drafted and served, and the "
-        "measured times, as gzipped JSON lines that `saguaro-vllm project` replays (docs/projection.md). "
-        "One file per drafter process.",
+        description="Directory for the drafter's replay trace (off when null; both modes): per step and row "
+        "the verification outcome, the ranked candidates per depth, what was pre-drafted and served, and the "
+        "measured times, as gzipped JSON lines that `saguaro-vllm project` replays ([projection.md]"
+        "(projection.md)). One file per drafter process; costs nothing when off.",
     )
     trace_max_mb: float = Field(
         256.0,
         description="Size bound of one trace file in MB (compressed); recording stops with one log line when "
-        "it is reached.",
+        "it is reached, the run goes on.",
     )
 
     @field_validator("block_size")
@@ -303,21 +336,27 @@ class SaguaroConfig(BaseModel):
     # strict: a JSON config says what it means ("5" is not 5, "yes" is not true)
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    method: Literal["saguaro"]
-    model: str = Field(description="The draft model: a local Hugging Face model directory, or a Hugging Face hub "
-                       "id (downloaded as vLLM downloads models; from the local cache only under HF_HUB_OFFLINE=1).")
+    method: Literal["saguaro"] = Field(description="Selects this plugin's proposer (rewritten internally to "
+                                       "vLLM's `custom_class` hook).")
+    model: str = Field(
+        description="The draft model: a local Hugging Face directory (`config.json` + `*.safetensors`), or a "
+        "Hugging Face hub id, downloaded by the front end as vLLM downloads models (into the HF cache or vLLM's "
+        "`--download-dir`; under `HF_HUB_OFFLINE=1` only the local cache is read, see [troubleshooting]"
+        "(troubleshooting.md#the-draft-model-is-not-found-or-cannot-be-downloaded)). Llama (Llama-2/3 family) "
+        "and Qwen3 drafts are supported. Its vocabulary must equal the target's (same `vocab_size`; when both "
+        "hold a `tokenizer.json`, the same token-to-id map).")
     revision: str | None = Field(
         None, description="vLLM's key for the draft's hub revision (branch, tag or commit) when `model` is a hub "
-        "id. Default: the main branch.",
+        "id; an error with a local directory. Default: the main branch.",
     )
-    num_speculative_tokens: int = Field(description="K: draft tokens per verification.")
+    num_speculative_tokens: int = Field(description="K: draft tokens per verification, 1-32.")
     max_model_len: int | None = Field(
         None,
-        description="vLLM's key for a draft's maximum length: contexts longer than this get no drafts (at "
-        "most max_model_len - context tokens near it). At most the target's max_model_len. Default: no "
-        "limit beyond the drafter's KV cache.",
+        description="vLLM's key for a draft's maximum length, >= 2: contexts longer than this get no drafts (at "
+        "most max_model_len - context tokens near it). At most the target's max_model_len; use it for a draft "
+        "trained on shorter contexts than the target. Default: no limit beyond the drafter's KV cache.",
     )
-    saguaro: SaguaroOptions = Field(default_factory=SaguaroOptions)
+    saguaro: SaguaroOptions = Field(default_factory=SaguaroOptions, description="The Saguaro options below.")
 
     @field_validator("num_speculative_tokens")
     @classmethod

@@ -39,8 +39,8 @@ def _read_version(path: str, mtime_ns: int, size: int) -> tuple[dict, list[dict]
 
 def _read(path: str | Path) -> tuple[dict, list[dict]]:
     """`read_trace`, once per file version: a calibration reads every trace for several of its parts (the
-    mode, the temperature and drafting factors, the overheads, the spread), each a full decompress and
-    parse until 2026-12-07. Callers must not change what it returns."""
+    mode, the temperature and drafting factors, the overheads, the spread), each otherwise a full decompress
+    and parse. Callers must not change what it returns."""
     st = Path(path).stat()
     return _read_version(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
 
@@ -68,7 +68,8 @@ def distinct_step_s(runner, prefix: int, rows: int, reps: int) -> float:
     """Median seconds of one forward over `rows` requests of their own (different contexts of `prefix` tokens,
     as a jit draft or a `sync` step feeds them), one new token each (two warm-up forwards first). On a CPU
     these cost several times `step_s`'s forked rows (the demo draft at 256 tokens, 16 rows: 34.6 against
-    10.5 ms, 2026-12-06): timing only forks made every multi-row jit forward of a replay ~2x too cheap."""
+    10.5 ms in `saguaro-vllm calibrate`): timing only forks would make every multi-row jit forward of a
+    replay ~2x too cheap."""
     ids = [f"d{rows}-{i}" for i in range(rows)]
     for n, i in enumerate(ids):
         runner.add_request(i)
@@ -89,9 +90,9 @@ def least_disturbed(time_rows, rows_list: list[int], passes: int) -> list[dict]:
     """{"rows", "s"} per row count: the least of `passes` timings (`time_rows(rows)`), the row counts
     interleaved in each pass. Another job's load only ever slows a forward, so the least timing is the
     forward's own cost and a burst does not bend the fitted shape; the load the runs saw comes from the
-    traces (`jitter_from_traces`). One pass (until 2026-12-06) on this shared machine gave e.g. 1 / 4 / 8 /
-    32 rows: 8.3 / 21.2 / 9.8 / 40.1 ms, then minutes later 15.3 / 12.6 / 8.8 / 16.1 ms (a fit of 0.02 ms per
-    row: branch rows nearly free, where the runs' 10-row branch forwards cost 1.3x their one-row ones)."""
+    traces (`jitter_from_traces`). On a shared machine one pass can give e.g. 1 / 4 / 8 / 32 rows:
+    8.3 / 21.2 / 9.8 / 40.1 ms, then minutes later 15.3 / 12.6 / 8.8 / 16.1 ms (a fit of 0.02 ms per row:
+    branch rows nearly free, where the runs' 10-row branch forwards cost 1.3x their one-row ones)."""
     best: dict[int, float] = {}
     for _ in range(max(1, passes)):
         for r in rows_list:
@@ -168,8 +169,8 @@ def temperature_factors(traces: list[str], verify: dict) -> dict[float, dict[int
     temperature is its rows': 0 when all are greedy; a run's ratio needs MIN_SAMPLES steps). The verify
     curve's free oracle drafter takes vLLM's path at T=0; Saguaro's runs take the all-greedy verification
     there and vLLM's sampled rejection at T > 0, so one factor per temperature cannot be pooled over
-    temperatures or batches (a pooled proposer overhead read -18..-26 % at batch 1 and +11..+30 % at 16,
-    2026-12-06). `calibrate` gives it the `sync` traces only (`plain_traces`)."""
+    temperatures or batches (on the demo-pair traces a pooled proposer overhead read -18..-26 % at batch 1
+    and +11..+30 % at 16). `calibrate` gives it the `sync` traces only (`plain_traces`)."""
     probe = CostModel(verify, StepCostModel(0.0, 0.0), {}, {})
     ratios: dict[tuple[float, int], list[float]] = {}
     for path in traces:
@@ -194,10 +195,10 @@ def drafting_factors(traces: list[str], cost: CostModel) -> dict[int, float]:
     to its verification, per batch: each `async` trace's verifications over the model's (the verify curve
     times the temperature factors of the `sync` runs, whose drafter waits meanwhile), the mean of the runs'
     ratios (each run weighing the same, MIN_SAMPLES steps of a run at a batch). 1 where the drafter has
-    hardware of its own; on the 2-core machine of 2026-12-06 evening SSD's verification at batch 1 took
-    132-152 ms (medians) against 113-123 ms for `sync`'s, while at batch 16 the two were level, and one
-    verification per temperature and batch for both modes projected `sync` 6-15 % low and SSD up to 20 %
-    high."""
+    hardware of its own. Where the two share cores SSD's verification runs slower than `sync`'s: in the
+    demo-pair traces on 2 cores (`benchmarks/validate_projection.py`) 132-152 ms (medians) against 113-123 ms
+    at batch 1, level at batch 16, and one verification per temperature and batch for both modes projected
+    `sync` 6-15 % low and SSD up to 20 % high."""
     ratios: dict[int, list[float]] = {}
     at_temp: dict[float, CostModel] = {}
     for path in traces:
@@ -264,9 +265,9 @@ def _quantiles(values: list[float], n: int = QUANTILES) -> list[float]:
 def pooled_spread(per_trace: list[list[float]], n: int = QUANTILES) -> list[float]:
     """One spread from several runs' factors (measured / modelled): each run's factors over their own mean
     (the spread within a run), as `n` quantiles, times the mean of the runs' means (the machine's level over
-    the runs, each run weighing the same). Pooling the raw factors (until 2026-12-06) weighed a run by its
-    number of forwards and mixed the runs' different loads into the spread: in the demo-pair traces of
-    2026-12-06 the async T=1 run (638 of 1808 forwards, a burst of load: mean factor 1.57, median 1.21)
+    the runs, each run weighing the same). Pooling the raw factors would weigh a run by its number of
+    forwards and mix the runs' different loads into the spread: in one set of demo-pair traces the async
+    T=1 run (638 of 1808 forwards, a burst of load: mean factor 1.57, median 1.21)
     raised the forward's pooled factor to 1.32 where three of the four runs measured 1.17-1.20, and a
     replay drew that run's slow forwards into every other run's steps."""
     runs = [f for f in per_trace if f]
@@ -284,9 +285,9 @@ def jitter_from_traces(traces: list[str], cost: CostModel) -> dict[str, list[flo
 
     The draft forward's spread is taken per mode: `draft_forward` from the `sync` runs (their drafter works
     while the target waits), `draft_forward.ssd` from the SSD runs, whose drafter works beside the target's
-    verification (glue and branch steps) and, where the two share hardware, runs slower: on the 2-core
-    machine of 2026-12-06 evening SSD's forwards at batch 1 were 1.2-1.5x the model where `sync`'s were
-    1.1-1.25x, and one pooled level projected SSD at batch 1, T > 0 15-20 % fast. Without `sync` runs the
+    verification (glue and branch steps) and, where the two share hardware, runs slower: in demo-pair
+    traces on 2 cores SSD's forwards at batch 1 were 1.2-1.5x the model where `sync`'s were 1.1-1.25x, and
+    one pooled level projected SSD at batch 1, T > 0 15-20 % fast. Without `sync` runs the
     SSD runs give both."""
     verify, forward, ssd_forward = [], [], []
     at_temp: dict[float, CostModel] = {}

@@ -68,13 +68,13 @@ class CostModel:
     temperature_factors: dict[float, dict[int, float]] = dataclasses.field(default_factory=dict)
     #: optional: what a pre-draft's branch step costs beyond its requests' own rows (a branch step reads each
     #: request's shared prefix once: on a CPU 16 rows forked from one request cost a third of 16 requests' own
-    #: rows, 10.5 against 34.6 ms for the demo draft at 256 tokens, 2026-12-06): fixed per step (e.g. the
+    #: rows, 10.5 against 34.6 ms for the demo draft at 256 tokens in `saguaro-vllm calibrate`): fixed per step (e.g. the
     #: branches' sampling) + per further branch row (`branch_step_s`); None: `draft` for every forward
     branch: StepCostModel | None = None
     #: optional: batch -> factor on the target's verification in SSD, whose drafter pre-drafts beside it (the
-    #: glue forward in every round, branch steps in most), where the two share hardware: on the 2-core machine
-    #: of 2026-12-06 evening SSD's verification took 132-152 ms at batch 1 against `sync`'s 113-123 ms, whose
-    #: drafter waits during it; a drafter on a device of its own: none, no factor
+    #: glue forward in every round, branch steps in most), where the two share hardware (in the demo-pair
+    #: traces of `benchmarks/validate_projection.py` on 2 cores SSD's verification took 132-152 ms at batch 1
+    #: against `sync`'s 113-123 ms, whose drafter waits during it); a drafter on a device of its own: none
     drafting_factors: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def drafting_factor(self, batch: int) -> float:
@@ -119,8 +119,8 @@ class CostModel:
     def branch_step_s(self, rows: int, parents: int) -> float:
         """A pre-draft branch step: `rows` one-token branch rows forked from `parents` requests. Each request's
         prefix is read once, like one row of its own (`draft`), and each further branch adds what a forked
-        row adds (`branch`'s per row): the demo draft's 128-row steps over 16 requests took 66 ms in the runs
-        of 2026-12-06, this gives 66 (16 rows of their own 33.9 ms + 112 x 0.29 ms), forks of one request
+        row adds (`branch`'s per row): the demo draft's 128-row steps over 16 requests took 66 ms in the
+        demo-pair traces of `benchmarks/validate_projection.py`, this gives 66 (16 rows of their own 33.9 ms + 112 x 0.29 ms), forks of one request
         alone 43."""
         if self.branch is None:
             return self.draft.forward_s(rows, rows)
@@ -244,9 +244,9 @@ def step_temperature(rows: list[dict]) -> float:
 def verifications(steps: list[dict], with_temperature: bool = False) -> list[tuple]:
     """(batch, tokens per row sent, drafter-seen seconds[, the step's temperature]) of each traced verification
     that is a decode step of the target. A step with a `new` row is left out: its verify_s also holds that request's prompt
-    prefill (0.86-0.93 s against 0.10-0.13 s for the decode steps of the 2026-12-06 demo-pair traces), which
-    no verify curve or replay step models; until 2026-12-06 one such sample per trace raised the pooled
-    verification factor of the calibrated model by 9 % (0.630 -> 0.686) and a trace's own mean by 13 %."""
+    prefill (0.86-0.93 s against 0.10-0.13 s for the decode steps of the demo-pair traces), which no verify
+    curve or replay step models; one such sample per trace raised the pooled verification factor of the
+    calibrated model by 9 % (0.630 -> 0.686) and a trace's own mean by 13 %."""
     out, prev = [], None
     for s in steps:
         if (prev is not None and s.get("verify_s", 0) > 0 and prev["rows"]
@@ -279,7 +279,7 @@ def predraft_host_samples(steps: list[dict]) -> list[tuple[int, float]]:
     steps the next request cut short: the drafter was busy from its answer until it took that request, so
     the verification it saw plus its lateness, less the glue and the branch steps, is the rest (planning,
     candidates, the branches' forks, and with a trace its recording of candidates: in the demo-pair
-    traces of 2026-12-06/07 about 5.7 ms + 0.2 ms per branch row, 9 ms at batch 1 and ~50 ms at batch 16,
+    traces of `benchmarks/validate_projection.py` about 5.7 ms + 0.2 ms per branch row, 9 ms at batch 1 and ~50 ms at batch 16,
     which a replay without it spends on branch steps). A round that finished its steps before the request
     came gives no sample (its idle time is unknown), nor does a verification that holds a prompt's
     prefill."""

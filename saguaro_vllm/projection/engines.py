@@ -38,8 +38,8 @@ def per_request_rate(steps: list[dict], times: list[float], tokens: list[list[in
     step's end, on the run's clock) from its first step to its last; the mean over the requests. Unlike
     tokens/s over the batch, this holds when a speculative batch's requests finish at different steps (at
     batch 16 on the cost-matched pair a step had 9-14 rows on average): comparing vLLM AR, whose requests all
-    run to the end together, with the batch total over 16 put AR ahead of `sync` at batch 16 in the
-    projection while it was behind in the runs (2026-12-06)."""
+    run to the end together, with the batch total over 16 would put AR ahead of `sync` at batch 16 in the
+    projection while it was behind in the runs."""
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     made: dict[str, int] = {}
@@ -99,10 +99,10 @@ def tile(steps: list[dict], batch: int) -> list[dict]:
     """The steps (those with rows) with `batch` rows each: row j is row j mod b of copy j // b (b: the trace's
     largest batch), and copy c of C runs the trace from c/C of its length on, wrapping around (each pass a
     new request: `id#c` on the first pass, `id#c.p` on pass p). So the rows of one step carry the outcomes of
-    different steps, as a real batch's rows would. Repeating every row at the same step (the tiling before
-    2026-12-06) made all rows of a step hit or miss together and 64 copies of one outcome swamp the online
-    acceptance estimate (batch 64, T=1: one step of a=0 read as acceptance 0.00, every miss was then left
-    to its n-gram drafts and SSD projected at 0.67x `sync`). A step whose source step has fewer rows than b
+    different steps, as a real batch's rows would. Repeating every row at the same step would make all rows
+    of a step hit or miss together and 64 copies of one outcome swamp the online acceptance estimate (batch
+    64, T=1: one step of a=0 read as acceptance 0.00, every miss left to its n-gram drafts and SSD projected
+    at 0.67x `sync`). A step whose source step has fewer rows than b
     lacks those rows; step-level fields are the unshifted step's."""
     steps = [s for s in steps if s["rows"]]
     n_steps = len(steps)
@@ -194,9 +194,9 @@ def project_spec(engine: str, steps: list[dict], k: int, cost: CostModel, seed: 
     Step n's period is the drafting after step n-1 plus step n's verification, as `measured` counts it
     (from the arrival of step `count_from`'s request to the last one's) and the SSD replay (`period`): so
     the drafting after step `count_from` is in, that after the last step out. A request's first step feeds
-    its prompt in the first draft forward (until 2026-12-06 the drafting was paired with its own step's
-    verification: the first counted drafting, in a batch-1 trace its prompt's, 108 tokens, was left out,
-    the one after the last step counted, and a `sync` trace's new rows, which have no `feed`, fed 1 token)."""
+    its prompt in the first draft forward (pairing the drafting with its own step's verification instead
+    would leave out the first counted drafting, in a batch-1 trace its prompt's, 108 tokens, count the one
+    after the last step, and feed 1 token for a `sync` trace's new rows, which have no `feed`)."""
     tokens = seconds = 0.0
     if engine == "saguaro-sync":  # (vLLM draft_model verifies through vLLM's own path at every temperature)
         cost = cost.at_temperature(trace_temperature(steps))

@@ -80,8 +80,8 @@ class OutcomePool:
             return a, rank, t
         # Deeper than k drafts: all k accepted. Such a bonus follows the target at depth k with nothing
         # excluded, like that of a recorded round whose drafts were all accepted: its rank is drawn from
-        # those (-1, never a hit, where there are none; before 2026-12-06 always -1, so a cut-short hit
-        # sent short missed at the next lookup whenever its drafts were all accepted).
+        # those (-1, never a hit, where there are none). Always -1 would make a cut-short hit sent short
+        # miss at the next lookup whenever its drafts were all accepted.
         full = self.full.get(kind)
         return (k, self.rng.choice(full), -1) if full else (k, -1, -1)
 

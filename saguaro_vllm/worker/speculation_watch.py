@@ -3,7 +3,7 @@
 A drafter that answers every step, but with no drafts for nearly every row (a backup rule that keeps
 refusing, no room in its KV cache, no free proposal slot), looks healthy to every other check: no
 failures, no restarts, requests keep flowing, just at the speed of plain decoding. Measured at vocabulary
-128256, batch 16, T=1 (2026-12-05): a whole run of 96 steps without one draft. `SpeculationWatch` counts,
+128256, batch 16, T=1 (`benchmarks/bench_transport.py`): a whole run of 96 steps without one draft. `SpeculationWatch` counts,
 over the last `window` steps, the rows that asked for drafts and the rows that got some, and reports a
 change of state once: `stalled` when fewer than `stall_share` of at least `min_rows` rows got drafts,
 `resumed` when at least `resume_share` do again (the gap between the two keeps a borderline workload from
