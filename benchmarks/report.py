@@ -815,20 +815,32 @@ def regimes_section(data: dict | None) -> list[str]:
     shown as "-"."""
     out = ["## Cost regimes", "",
            "Where SSD pays: the same engines under draft/target cost ratios, vocabularies, batches and "
-           "temperatures (`benchmarks/regimes.py`).", ""]
+           "temperatures (`benchmarks/regimes.py`). Goals: SSD (`mode: async`, with its fallback to `sync` "
+           "drafting, docs/algorithm.md) at least 0.97x `sync` in every cell, 1.15x where the draft is cheap "
+           "(ratio <= 0.2), batch <= 16, T = 0.", "",
+           "vLLM `draft_model` runs with `draft_sample_method: \"probabilistic\"`: vLLM's default, `greedy`, "
+           "proposes the draft's argmax and verifies it as if the draft were certain of it, so at T > 0 each "
+           "draft survives only with the target's probability of that token (near zero over a flat 128k "
+           "vocabulary, even with the target itself as the draft). On vLLM 0.32's CPU build the probabilistic "
+           "path also needs saguaro-vllm's CPU sampling fix (loaded with the plugin): the CPU fallback of the "
+           "kernel that spreads each request's temperature over its draft positions leaves them uninitialised. "
+           "With both, `draft_model` accepts every draft of an identical draft at T = 1; a `draft_model` figure "
+           "that accepts little at T > 0 reflects those settings, not a weaker draft, and is no merit of SSD.",
+           ""]
     if data is None:
         return out + ["No result yet: `benchmarks/results/*-regimes.json` is written by `benchmarks/regimes.py`.", ""]
     m = data.get("machine") or {}
     out += [f"`benchmarks/results/{data['_file']}` ({str(data.get('date', '?'))[:10]}; {m.get('cpu', '?')}, "
             f"{m.get('cpus', '?')} cores); settings: `{json.dumps(data.get('settings', {}))}`", "",
-            "| ratio | vocab | batch | T | `sync` tok/s | SSD tok/s | `draft_model` tok/s | SSD hit rate | "
-            "SSD pre-draft share |", "|---:|---:|---:|---:|---|---|---|---:|---:|"]
+            "| ratio | vocab | batch | T | `sync` tok/s | SSD tok/s | `draft_model` tok/s | SSD / `sync` (goal) | "
+            "SSD hit rate | SSD pre-draft share |", "|---:|---:|---:|---:|---|---|---|---:|---:|---:|"]
     for c in data.get("cells") or []:
         e = c.get("engines") or {}
         ssd = e.get("async") or {}
         out.append(f"| {c.get('ratio', '-')} | {c.get('vocab', '-')} | {c.get('batch', '-')} | "
                    f"{c.get('temperature', '-')} | {_spread((e.get('sync') or {}).get('tokens_per_s'))} | "
                    f"{_spread(ssd.get('tokens_per_s'))} | {_spread((e.get('draft_model') or {}).get('tokens_per_s'))} "
+                   f"| {fmt(c.get('async_over_sync'), '.2f')} ({c.get('goal', '-')}{'' if c.get('met', True) else ', missed'}) "
                    f"| {fmt(ssd.get('hit_rate'), '.3f')} | {fmt(ssd.get('predraft_share'), '.2f')} |")
     if data.get("goals"):
         out += ["", f"Goals: `{json.dumps(data['goals'])}`"]

@@ -125,13 +125,18 @@ def test_cost_regimes_section_reads_what_it_finds():
     assert "No result yet" in "\n".join(report.regimes_section(None))
     data = {"_file": "2027-01-01-regimes.json", "machine": {"cpu": "x", "cpus": 2}, "date": "2027-01-01T00:00",
             "settings": {"k": 5}, "cells": [
-                {"ratio": 0.05, "vocab": 32000, "batch": 1, "temperature": 0,
+                {"ratio": 0.05, "vocab": 32000, "batch": 1, "temperature": 0, "async_over_sync": 1.45, "goal": 1.15,
+                 "met": True,
                  "engines": {"sync": {"tokens_per_s": [10.0, 12.0]}, "async": {"tokens_per_s": [15.0, 16.0, 17.0],
                              "hit_rate": 0.91, "predraft_share": 0.4}}},
+                {"ratio": 1.0, "vocab": 32000, "batch": 16, "temperature": 1, "async_over_sync": 0.9, "goal": 0.97,
+                 "met": False, "engines": {}},
                 {"ratio": 0.5, "batch": 4, "engines": {}}]}
     text = "\n".join(report.regimes_section(data))
-    assert "| 0.05 | 32000 | 1 | 0 | 11.00 [10.00-12.00] (2 runs) | 16.00 [15.00-17.00] (3 runs) | - | 0.910 | 0.40 |" in text
-    assert "| 0.5 | - | 4 | - | - | - | - | - | - |" in text
+    assert ("| 0.05 | 32000 | 1 | 0 | 11.00 [10.00-12.00] (2 runs) | 16.00 [15.00-17.00] (3 runs) | - | 1.45 (1.15) "
+            "| 0.910 | 0.40 |") in text
+    assert "| 0.90 (0.97, missed) |" in text
+    assert "| 0.5 | - | 4 | - | - | - | - | - (-) | - | - |" in text
 
 
 def test_sweep_report(tmp_path, monkeypatch):

@@ -352,7 +352,7 @@ def non_increasing(values: Sequence[float]) -> list[float]:
 #: a few times is not trusted alone; one seen a hundred times speaks for itself). 16 with OutcomeStats'
 #: memory of ~100 rounds (decay 0.99) replayed best of {4, 16} x {0.97, 0.99, 0.995} on seven demo-pair
 #: traces at T=0.7 and 1, budget 24 (mean hit rate 0.3985 against 0.391 for 4 / 0.97 and 0.384 for the
-#: geometric shape; 2026-12-06, MAX_RANK 32 then); 4 / 0.97 let sparse depths swing (a depth with three
+#: geometric shape; `benchmarks/experiments/predictor_analysis.py`); 4 / 0.97 let sparse depths swing (a depth with three
 #: rejections at low ranks took 11 of 24 branches).
 POOL_WEIGHT = 16.0
 
@@ -368,7 +368,7 @@ class OutcomeStats:
     `allocate` spends a budget branch by branch where the expected hit of the next branch,
     P(a=j) x P(rank = f_j | a=j), is highest: with non-increasing rank probabilities this greedy choice
     maximises the modelled hit rate `hit_rate` over all fan-outs of that budget. Measured on the demo
-    pair (2026-12-06, budget 24, replayed): a small gain (mean hit rate 0.395 -> 0.404 over eleven traces
+    pair (budget 24, replayed): a small gain (mean hit rate 0.395 -> 0.404 over eleven traces
     at T=0.7 and 1) where served acceptance departs from the geometric shape (live at T=1, 44 % of the
     rounds reject the first draft where the geometric model with the measured α says 30 %); where the
     shape holds, the exact optimum is within 0.005 of it. What bounds the hit rate at T > 0 is the pair

@@ -176,12 +176,10 @@ class RoundPlanner:
         each request's prefix read once, like one row of its own (`cost`), and each further branch row what
         the measured branch steps add beyond that (fitted over their further rows, at least proportional,
         like `StepCostModel.fit_forwards`); None before three branch steps are measured (`plan` then costs
-        every row like a request's). A forked row shares its request's KV: on the 2-core machine of
-        2026-12-07, batch 16, T=0.7, a forward of the requests' own rows cost ~2.9 ms per row (16 rows 70 ms,
-        one 28 ms) and a branch step of 128 rows over the 16 requests 160 ms. One fit over both kinds
-        of forward said 1.2 ms per row where the branch steps were in the planner's window and 2.7 ms where
-        few were (a run that had skipped them): the same trace replayed under its own costs branched in 27 %
-        of the rounds against 55 % live and hit 0.07 against 0.16."""
+        every row like a request's). A forked row shares its request's KV, so it costs far less than a
+        request's own row (demo pair, batch 16: ~2.9 ms per own row, a 128-row branch step 160 ms); one fit
+        over both kinds of forward would follow how many branch steps the planner's window happens to hold
+        (docs/algorithm.md, "How much to pre-draft")."""
         if len(self.branch_costs) < 3:
             return None
         key = (cost, tuple(self.branch_costs))
@@ -213,12 +211,10 @@ class RoundPlanner:
         """The tokens a step committed over its whole period (the previous answer, the verification and the
         round's lateness), kept as decayed sums: `rate` is their ratio, the long-run tokens per second that
         Dinkelbach's rule needs (call only for steps whose rows all finished a round: a step with new
-        requests may follow an idle engine, whose gap is no verification). A moving average of each step's
-        own tokens / (verification + answer), as before 2026-12-06, followed the last few steps, mostly hits
-        (6 tokens in a 120 ms verification on a CPU core: 50 tokens/s against a long-run 28-30), and left the
-        lateness out: at batch 1 a jit draft or top-up then looked not worth its forwards, and the replay of
-        the demo pair's T=0 trace under its calibrated costs ran at 27.6 tokens/s against 30.6 with every
-        miss and top-up drafted (30.2 with this rate)."""
+        requests may follow an idle engine, whose gap is no verification). Not a moving average of each
+        step's own tokens / (verification + answer): that follows the last few steps, mostly hits, and
+        leaves the lateness out, so a jit draft or top-up at batch 1 looks not worth its forwards (replayed
+        on the demo pair's T=0 trace: 27.6 tokens/s against 30.2 with this rate)."""
         if verify_s > 0:
             tokens_sum, seconds_sum = self._rate_sums
             self._rate_sums = (RATE_DECAY * tokens_sum + tokens,
@@ -267,13 +263,11 @@ class RoundPlanner:
     def branch_hit_floor(self) -> float | None:
         """The hit rate the branch steps would yield, as measured: `coverage` x `completion` (None before
         any planned round was looked up). Coverage counts every planned round, its branch steps run or
-        skipped, so the floor does not hang on the few rounds that ran them. Until 2026-12-06 it was the hit
-        rate of the rounds that ran branch steps only (Laplace's rule): at batch 1, T=1 on the demo pair the
-        first five branched rounds missed (their bonus tokens ranked >= 64), the floor read 1/7, the steps
-        then ran only in probe rounds (15 of 81), and rank-0/1/3 outcomes later were never branched for
-        (live hit rate 0.00, the replay of the same trace 0.12: a path the replay need not take). Where the
-        branch steps run but their branches are missing at the lookup (batch 32 on a CPU core: 2 hits of 32
-        against a modelled 0.95), completion carries it."""
+        skipped, so the floor does not hang on the few rounds that ran them: the hit rate of those rounds
+        alone reads low after a few early misses (demo pair, batch 1, T=1: 1/7), after which the steps run
+        only in probe rounds and later likely outcomes are never branched for. Where the branch steps run but
+        their branches are missing at the lookup (batch 32 on a CPU core: 2 hits of 32 against a modelled
+        0.95), completion carries it."""
         coverage = self.coverage
         return None if coverage is None else coverage * self.completion
     def miss_cost_s(self) -> float:
