@@ -163,3 +163,74 @@ def test_ssd_with_a_drafter_kv_cache_too_small(tiny_pair, reference):
     steps = result.saguaro["vllm:saguaro_drafter_step_seconds_count"]
     assert result.counter("vllm:saguaro_rows_no_room") > steps, (steps, result.saguaro_delta)
     assert result.counter("vllm:saguaro_cache_lookups") > 0
+
+
+def _trace_steps(trace_dir) -> list[dict]:
+    from pathlib import Path
+
+    from saguaro_vllm.drafter.trace import read_trace
+
+    files = sorted(Path(trace_dir).glob("trace-*.jsonl.gz"))
+    assert len(files) == 1, files
+    return read_trace(files[0])[1]
+
+
+def test_ssd_drafts_as_sync_where_drafting_costs_a_verification(tiny_pair, reference, tmp_path):
+    """Every drafter forward delayed by 20 ms, twice the target's verification here: the glue alone
+    outlasts the verification, so no branch can ever be ready. After its first rounds measure that, the
+    drafter stops pre-drafting (no glue, no branch forward between an answer and the next request) and
+    drafts every row K tokens just in time, as `sync` does; probes pre-draft now and then; the output is
+    the target's greedy output."""
+    spec = _spec(tiny_pair, "async", trace_dir=str(tmp_path))
+    result = run_engine(tiny_pair[0], [Job("batch", PROMPTS, GREEDY)], speculative_config=spec,
+                        engine_kwargs=ENGINE, env={"SAGUARO_DRAFTER_DELAY_S": "0.02"})["batch"]
+    assert result.token_ids == reference["batch"].token_ids
+    _assert_speculated(result)
+    modes = _by_label(result, "vllm:saguaro_rounds")
+    assert modes.get("sync", 0) > 2 * modes.get("predraft", 0), modes
+    steps = _trace_steps(tmp_path)
+    sync_like = [n for n in range(1, len(steps)) if steps[n].get("predrafted") is False]
+    assert len(sync_like) >= 10, [s.get("predrafted") for s in steps]
+    for n in sync_like:
+        # the round before ran no pre-draft forward, and every looked-up row was drafted now, all it wanted
+        assert not any(f[0] in ("glue", "branch") for f in steps[n - 1]["fwd"]), steps[n - 1]["fwd"]
+        rows = [r for r in steps[n]["rows"] if r["st"] not in ("new", "none", "noroom")]
+        assert all(r["st"] == "jit" and r["served"] == r["want"] for r in rows), steps[n]["rows"]
+
+
+@pytest.fixture(scope="module")
+def cheap_pair(tmp_path_factory):
+    """A draft of hidden 32 and a target of hidden 1024 computing the same function (distribution.py):
+    every draft is accepted at T=0, so each round's outcome is certain, and a draft forward costs a
+    fraction of a verification."""
+    from distribution import build_embedded_pair
+
+    return build_embedded_pair(tmp_path_factory.mktemp("cheap-pair"), vocab_size=4096, width=1024)
+
+
+def test_ssd_predrafts_and_hits_where_the_draft_is_cheap(cheap_pair, tmp_path):
+    """A draft forward of ~5 ms (delayed to that: a draft as costly as a few percent of this wide target's
+    verification would save `sync` too little to measure on a busy machine) beside a verification of
+    ~40 ms: the pre-draft fits inside the verification and saves `sync`'s K draft forwards, so it runs in
+    (nearly) every round, and since the outcome is certain (all drafts accepted, bonus = the argmax) the
+    cache hits whenever the branch steps ran: every looked-up row after such a round hits (a miss there
+    would be a branch missing for the certain outcome); the output is the target's greedy output. The
+    share of rounds that pre-draft is bounded loosely: on a loaded 2-core machine a probe of `sync`
+    drafting or a noisy verification can switch a few rounds."""
+    target, draft = cheap_pair
+    prompts = [[5 + 7 * i, 11, 300 + i, 42, 9] for i in range(4)]
+    jobs = [Job("batch4", prompts, {**GREEDY, "max_tokens": 96})]
+    engine = {**ENGINE, "skip_tokenizer_init": True, "max_model_len": 256}
+    plain = run_engine(str(target), jobs, engine_kwargs=engine)["batch4"]
+    spec = {"method": "saguaro", "model": str(draft), "num_speculative_tokens": 4,
+            "saguaro": {"mode": "async", "dtype": "float32", "log_interval_s": 1, "trace_dir": str(tmp_path)}}
+    result = run_engine(str(target), jobs, speculative_config=spec, engine_kwargs=engine,
+                        env={"SAGUARO_DRAFTER_DELAY_S": "0.005"})["batch4"]
+    assert result.token_ids == plain.token_ids
+    assert result.spec.accepted == result.spec.draft_tokens > 0  # the certain outcome: every draft accepted
+    modes = _by_label(result, "vllm:saguaro_rounds")
+    assert modes.get("predraft", 0) >= 0.6 * sum(modes.values()), modes
+    steps = _trace_steps(tmp_path)
+    after_branches = [r["st"] for n in range(len(steps) - 1) if steps[n].get("pre", {}).get("steps_done", 0) > 0
+                      for r in steps[n + 1]["rows"] if r["st"] not in ("new", "none", "noroom")]
+    assert len(after_branches) >= 20 and set(after_branches) == {"hit"}, after_branches

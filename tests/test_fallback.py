@@ -42,7 +42,7 @@ def test_glue_beyond_the_verification_means_no_predraft_and_probes_later():
     planner = _planner_with_costs(verify_s=0.058, forward_s=0.02, glue_s=0.1)
     modes = _run_rounds(planner, 2 * (PROBE_EVERY + PROBE_ROUNDS) + 2, lambda pre: (0.058, 0.1))
     assert modes[0] is False
-    assert "glue" in planner.switch.reason and "verification" in planner.switch.reason
+    assert "glue" in planner.switch.reason and "verification" in planner.switch.reason, planner.switch.reason
     probes = [i for i, m in enumerate(modes) if m]
     assert len(probes) == 2 * PROBE_ROUNDS, modes  # two probes of PROBE_ROUNDS rounds each, nothing else
     assert probes[PROBE_ROUNDS] - probes[0] == PROBE_EVERY + PROBE_ROUNDS - 1
@@ -102,4 +102,4 @@ def test_switch_credits_steps_to_their_mode_and_fits_the_glue():
     switch.observe_glue(4, 0.01)
     switch.observe_glue(16, 0.04)
     assert switch.glue_s(8) == pytest.approx(0.02)
-    assert switch.decide(None, None, None, None) is True  # nothing measured: pre-draft
+    assert switch.decide(None, None, None) is True  # nothing measured: pre-draft

@@ -232,7 +232,7 @@ def test_replay_under_a_cost_model_runs_the_policy(ssd_trace):
 def test_replay_follows_the_cost_model(ssd_trace):
     """The same trace under GPU-like costs (a draft forward nearly free of its rows): the planner's budget
     grows past 64 branches (up to what its rank model values, ~105 here; the cap, max_fanout_budget, is 128)
-    and the cache hits more than on this machine; with the
+    and the cache hits at least as often as on this machine; with the
     recorded times shrunk, the replay no longer repeats the live decisions (the test above can fail)."""
     from saguaro_vllm.drafter.predictor import StepCostModel
 
@@ -243,7 +243,7 @@ def test_replay_follows_the_cost_model(ssd_trace):
     result = SSDReplay(header, steps, ModelClock(gpu)).run()
     live = SSDReplay(header, steps, TraceClock(steps)).run()
     assert max(result.budgets) > 64  # above the CPU-sized budgets and the cap before 2026-12-06 (64)
-    assert result.hit_rate > live.hit_rate
+    assert result.hit_rate >= live.hit_rate
     shrunk = [{**s, "verify_s": 0.2 * s.get("verify_s", 0.0)} for s in steps]
     assert [s["status"] for s in SSDReplay(header, shrunk, TraceClock(shrunk)).run().per_step] != statuses
 

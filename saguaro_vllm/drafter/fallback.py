@@ -7,9 +7,10 @@ alone does not fit inside the verification, or where what the pre-draft saves is
 drafts every row just in time after it, exactly as `sync` does (no glue, no lateness, no n-gram backup).
 
 `PreDraftSwitch` decides per round from measurements only:
-- the pre-draft cannot reach a branch (glue + one branch step beyond the verification): fall back;
+- the glue alone outlasts the verification (no branch can be ready without the answer waiting for the
+  glue and a branch step): fall back;
 - the measured tokens per second of steps after a pre-draft against those after none (or, before any
-  such step, what `sync` drafting would cost by the step-cost model): the slower way goes;
+  such step, what `sync` drafting would cost by the step-cost model, with a margin): the slower way goes;
 - either way, the other mode is probed now and then (`PROBE_EVERY` rounds, `PROBE_ROUNDS` in a row),
   so the choice follows the workload: pre-drafting resumes where its costs come back.
 A step's figures belong to the round before it: the pre-draft (or its absence) ran during that step's
@@ -25,8 +26,13 @@ from saguaro_vllm.drafter.predictor import StepCostModel
 #: Weight each step's tokens and seconds lose per later step of the same mode (a memory of ~5 steps:
 #: a probe of PROBE_ROUNDS rounds outweighs the steps measured before it).
 RATE_DECAY = 0.8
-#: Steps of a mode measured before its rate takes part in the decision.
-MIN_STEPS = 2
+#: Steps of a mode measured before its rate takes part in the decision (a request's first steps have no
+#: branches to hit yet).
+MIN_STEPS = 4
+#: Pre-drafting gives way to the step-cost model's estimate of `sync` drafting only where it is below this
+#: share of it: the estimate leaves out the host time and contention of real `sync` steps, so a close call
+#: waits for a probe that measures them.
+ESTIMATE_MARGIN = 0.85
 #: Rounds in the fallback (or pre-drafting with its lead not clear) between probes of the other mode.
 PROBE_EVERY = 16
 #: Rounds in a row a probe runs the other mode (the first one's step pays the switch: no branches yet).
@@ -95,16 +101,14 @@ class PreDraftSwitch:
         return self.rates[predrafted].rate if self.samples[predrafted] >= MIN_STEPS else None
 
     # ---- the decision --------------------------------------------------------------------------------
-    def decide(self, verify_s: float | None, glue_s: float | None, branch_step_s: float | None,
-               sync_rate_estimate: float | None) -> bool:
+    def decide(self, verify_s: float | None, glue_s: float | None, sync_rate_estimate: float | None) -> bool:
         """Whether the next round pre-drafts. `verify_s`: the measured verification; `glue_s`: the glue of
-        this round's requests; `branch_step_s`: one branch step of the smallest useful plan; both None
-        before measured. `sync_rate_estimate`: tokens per second `sync` drafting would give by the
-        step-cost model (None: unknown), used until `sync` steps are measured."""
+        this round's requests (both None before measured). `sync_rate_estimate`: tokens per second `sync`
+        drafting would give by the step-cost model (None: unknown), used until `sync` steps are measured."""
         if self._probe_left > 0:  # a probe runs its rounds to the end
             self._probe_left -= 1
             return not self.predrafting
-        wants, reason = self._preferred(verify_s, glue_s, branch_step_s, sync_rate_estimate)
+        wants, reason = self._preferred(verify_s, glue_s, sync_rate_estimate)
         if wants != self.predrafting:
             self.predrafting, self.reason = wants, reason
             self._since_probe = 0
@@ -116,13 +120,13 @@ class PreDraftSwitch:
             return not self.predrafting
         return self.predrafting
 
-    def _preferred(self, verify_s, glue_s, branch_step_s, sync_rate_estimate) -> tuple[bool, str]:
+    def _preferred(self, verify_s, glue_s, sync_rate_estimate) -> tuple[bool, str]:
         """The mode the measurements favour, and why."""
         if verify_s is None:
             return True, "no verification measured yet"
-        if glue_s is not None and branch_step_s is not None and glue_s + branch_step_s > verify_s:
-            return False, (f"the glue ({1e3 * glue_s:.1f} ms) and one branch step ({1e3 * branch_step_s:.1f} ms) "
-                           f"take longer than the verification ({1e3 * verify_s:.1f} ms)")
+        if glue_s is not None and glue_s > verify_s:
+            return False, (f"the glue ({1e3 * glue_s:.1f} ms) takes longer than the verification "
+                           f"({1e3 * verify_s:.1f} ms)")
         pre, sync = self.rate(True), self.rate(False)
         measured = sync is not None
         if sync is None:
@@ -130,7 +134,7 @@ class PreDraftSwitch:
         if pre is None or sync is None:
             return self.predrafting, "not measured yet"
         source = "measured" if measured else "estimated"
-        if pre < sync:
+        if pre < (sync if measured else ESTIMATE_MARGIN * sync):
             return False, f"pre-drafting steps {pre:.1f} tokens/s, sync drafting {sync:.1f} ({source})"
         return True, f"pre-drafting steps {pre:.1f} tokens/s, sync drafting {sync:.1f} ({source})"
 

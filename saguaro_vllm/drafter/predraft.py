@@ -59,6 +59,7 @@ class PreDrafter:
         t0 = time.perf_counter()
         run: BranchRun | None = None
         stats = self._predraft
+        glue_done: bool | None = None  # None: no glue forward yet; False: glue or selection under way
         try:
             yield  # nothing before the answer is out: the first forward runs on the next `advance`
             t0 = time.perf_counter()
@@ -71,6 +72,8 @@ class PreDrafter:
                 glued = self._glue(part, protect)
                 roots += glued[0]
                 scores += glued[1]
+                if glued[0] and glue_done is None:
+                    glue_done = False  # a glue forward ran: from here a cut measures the glue's time
                 yield  # each glue forward is one `advance`: the request is looked for between them
             if trace is not None:
                 trace.phase = BRANCH
@@ -119,7 +122,7 @@ class PreDrafter:
                     pre["selected"] = len(tops)  # the replay counts coverage for these roots only
                 if part[-1] < len(roots) - 1:
                     yield
-            glue_s = time.perf_counter() - t0
+            glue_s, glue_done = time.perf_counter() - t0, True
             self.planner.switch.observe_glue(len(roots), glue_s)
             if pre is not None:
                 pre["glue_s"] = glue_s
@@ -148,6 +151,11 @@ class PreDrafter:
                     trace.forward(rows, rows, seconds)
                 yield
         finally:
+            if glue_done is False:  # the request came before glue and selection were done: they take at
+                glue_s = time.perf_counter() - t0  # least what elapsed (the planner's fallback weighs it)
+                self.planner.switch.observe_glue(len(req_ids), glue_s)
+                if self.trace is not None and self.trace.rec is not None:
+                    self.trace.rec.setdefault("pre", {})["glue_s"] = glue_s
             if run is not None:  # per request: its branches (contiguous) into the cache at once
                 for req_id, branches in groupby(run.finish(), attrgetter("req_id")):
                     sent = self._sent.get(req_id)

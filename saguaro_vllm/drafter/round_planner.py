@@ -304,17 +304,13 @@ class RoundPlanner:
             self.predrafted = True
             return True
         cost = self.cost_model()
-        step_s = sync_rate = None
-        if cost is not None:
-            branch = self.branch_step_s(cost, batch)
-            rows = min(2, k + 1) * batch  # the smallest plan: the two likeliest outcomes, one step
-            step_s = branch(rows) if branch is not None else cost.forward_s(rows, rows)
-            pre = self.switch.rates[True]
-            if pre.steps > 0 and self.verify_s is not None:
-                sync_s = cost.forward_s(2 * batch, batch) + (k - 1) * cost.forward_s(batch, batch)
-                sync_rate = (pre.tokens / pre.steps) / (self.verify_s + sync_s)
+        sync_rate = None
+        pre = self.switch.rates[True]
+        if cost is not None and pre.steps > 0 and self.verify_s is not None:
+            sync_s = cost.forward_s(2 * batch, batch) + (k - 1) * cost.forward_s(batch, batch)
+            sync_rate = (pre.tokens / pre.steps) / (self.verify_s + sync_s)
         before = self.switch.predrafting
-        self.predrafted = self.switch.decide(self.verify_s, self.switch.glue_s(batch), step_s, sync_rate)
+        self.predrafted = self.switch.decide(self.verify_s, self.switch.glue_s(batch), sync_rate)
         if self.switch.predrafting != before:
             logger.info("Saguaro pre-drafting %s: %s", "resumed" if self.switch.predrafting else
                         "paused, drafting as mode sync does", self.switch.reason)
@@ -322,15 +318,17 @@ class RoundPlanner:
 
     def branches_pay_off(self, plan: PreDraftPlan, batch: int, k: int) -> bool:
         """`predictor.branches_pay_off` for a modelled plan, once lateness and step costs are measured. The
-        hit rate is the plan's modelled one, or the measured one of rounds that ran branch steps
-        (`branch_hit_floor`) where that is lower (measured: batch 32, T=0, modelled far above the 0.29
-        measured, and the branch steps cost 5 % against `sync`). Every PROBE_EVERY-th round in a row that
-        would skip runs them anyway, so the measurement follows the workload."""
+        hit rate is the measured one (`branch_hit_floor`) once any planned round was looked up, else the
+        plan's modelled one: the model, built on prior acceptance and ranks, misjudges both ways (batch 32,
+        T=0: modelled far above the 0.29 measured; a certain outcome, draft == target at T=0: modelled ~0.3
+        where every covered outcome hits, which skipped the branch steps in 32 of 34 rounds). Every
+        PROBE_EVERY-th round in a row that would skip runs them anyway, so the measurement follows the
+        workload."""
         cost = self.cost_model()
         if plan.hit_rate is None or self.late_s is None or cost is None or self.verify_s is None:
             return True
         floor = self.branch_hit_floor()
-        hit_rate = plan.hit_rate if floor is None else min(plan.hit_rate, floor)
+        hit_rate = plan.hit_rate if floor is None else floor
         pays = branches_pay_off(hit_rate, batch, k, self.verify_s, self.late_s, cost, self.predictor.neural.alpha,
                                 self.predictor.ngram_tokens.mean, self.opts.get("backup", "auto"))
         if pays:

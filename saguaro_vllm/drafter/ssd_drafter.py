@@ -227,7 +227,8 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         if self.trace is not None:
             self.trace.begin_step(req.step, len(req.rows), verify_s=stats.verify_s,
                                   late_s=stats.late_s, depth=stats.depth, cut_short=stats.cut_short,
-                                  ran_branches=ran_branches, sent_at=req.sent_at)
+                                  ran_branches=ran_branches, sent_at=req.sent_at,
+                                  predrafted=self.planner.predrafted)
         self._begin_step(req)
         ans = _Answer(len(req.rows))
         ans.sync_like = not self.planner.predrafted

@@ -203,8 +203,8 @@ class SaguaroOptions(BaseModel):
     )
     fallback: Literal["auto", "off"] = Field(
         "auto",
-        description="`async` only: `auto` (default): a round whose pre-draft cannot pay (its glue and first "
-        "branch step do not fit inside the verification, or steps after pre-drafting commit fewer tokens "
+        description="`async` only: `auto` (default): a round whose pre-draft cannot pay (its glue alone "
+        "outlasts the verification, or steps after pre-drafting commit fewer tokens "
         "per second than steps drafted as `sync` does) skips the pre-draft entirely and its rows are drafted "
         "after the verification exactly as in `sync`; the other mode is probed every 16 rounds, so "
         "pre-drafting resumes when costs change (drafter/fallback.py). `off`: always pre-draft. A fixed "

@@ -303,7 +303,8 @@ class SSDReplay:
             return  # the request came before the glue ran
         for f in glue:
             self.planner.record_forward(f[0], f[2], logits=f[1])
-        if not self.clock.reaches_plan(n):
+        if not self.clock.reaches_plan(n):  # cut short in the glue: it took at least what elapsed, as live
+            self.planner.switch.observe_glue(len(roots), self.clock.glue_time(n, glue))
             return
         # steps per branch: the drafts the next round wants, as live (`PreDrafter`), not this round's count
         # (a hit cut short to 3 drafts would plan 3-step branches where the live run plans 5)
@@ -317,9 +318,9 @@ class SSDReplay:
             rnd = self.rounds[rid]                     # planner's coverage), for the roots selected, as live
             rnd.planned = True
             rnd.fan = fan
+        self.planner.switch.observe_glue(len(roots), self.clock.glue_time(n, glue))
         if selected < len(roots):
             return  # the request came during the candidate selection: no branch steps
-        self.planner.switch.observe_glue(len(roots), self.clock.glue_time(n, glue))
         if self._counting or n == self.count_from:
             self.result.budgets[plan.branches if pays else 0] += 1
         if not pays:
