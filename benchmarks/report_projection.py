@@ -89,22 +89,31 @@ def repeatability_lines(data: dict) -> list[str]:
     return out + [""]
 
 
+def _batches(data: dict) -> list[int]:
+    return sorted({p["batch"] for r in data["results"] for p in r["projected"]})
+
+
 def projection_lines(data: dict) -> list[str]:
+    """One row per cost model and temperature, every batch in one cell, so the table stays one screen."""
     out = [f"**Projection** (`{data['_file']}`; command `{data['command']}`): {data['note']}. Tokens/s per "
-           "sequence; a batch above 1 repeats the trace's rows.", "",
-           "| cost model | T | batch | vLLM AR | vLLM draft_model | Saguaro sync | SSD | SSD / sync | SSD hit rate |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "sequence; a batch above 1 repeats the trace's rows. Each cell lists batch "
+           + " / ".join(str(b) for b in _batches(data)) + ".", "",
+           "| cost model | T | vLLM AR | vLLM draft_model | Saguaro sync | SSD | SSD / sync | SSD hit rate |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in data["results"]:
         rows: dict[int, dict[str, dict]] = {}
         for p in r["projected"]:
             rows.setdefault(p["batch"], {})[p["engine"]] = p
-        for b in sorted(rows):
-            e = rows[b]
-            ssd, sync = e["saguaro-async"], e["saguaro-sync"]
-            out.append(f"| {r['cost_model']} | {r['temperature']:g} | {b} | {e['vllm-ar']['per_seq_tokens_per_s']:.1f} | "
-                       f"{e['vllm-draft_model']['per_seq_tokens_per_s']:.1f} | {sync['per_seq_tokens_per_s']:.1f} | "
-                       f"{ssd['per_seq_tokens_per_s']:.1f} | {ssd['tokens_per_s'] / sync['tokens_per_s']:.2f} | "
-                       f"{ssd.get('hit_rate')} |")
+        cells = [rows[b] for b in sorted(rows)]
+
+        def col(engine: str) -> str:
+            return " / ".join(f"{e[engine]['per_seq_tokens_per_s']:.1f}" for e in cells)
+
+        ratio = " / ".join(f"{e['saguaro-async']['tokens_per_s'] / e['saguaro-sync']['tokens_per_s']:.2f}" for e in cells)
+        hits = " / ".join("-" if e["saguaro-async"].get("hit_rate") is None else f"{e['saguaro-async']['hit_rate']:.2f}"
+                          for e in cells)
+        out.append(f"| {r['cost_model']} | {r['temperature']:g} | {col('vllm-ar')} | {col('vllm-draft_model')} | "
+                   f"{col('saguaro-sync')} | {col('saguaro-async')} | {ratio} | {hits} |")
     out += ["", "Bars of the projection issue (H100, 70B TP4 + 1B): SSD >= 1.4x `sync` at batch 1 and T=0 (>= 1.25x "
             "at T=1), hit rate >= 0.8 (0.6), SSD >= `sync` at every batch:", ""]
     for r in data["results"]:
