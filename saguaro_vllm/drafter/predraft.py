@@ -83,8 +83,11 @@ class PreDrafter:
             # steps per branch: the drafts the next round wants (not this round's count, which a cut-short
             # hit or a round of zero drafts would pass on: short rounds would beget short rounds)
             k = max(self._sent[r.req_id].want or r.k for r in roots)
-            plan = self.planner.plan(len(roots), k)
-            pays = self.planner.branches_pay_off(plan, len(roots), k)
+            if self.planner.next_plan is not None:  # planned with the round (`RoundPlanner.predraft_next`)
+                plan, pays = self.planner.next_plan
+            else:
+                plan = self.planner.plan(len(roots), k)
+                pays = self.planner.branches_pay_off(plan, len(roots), k)
             # one fan-out per kind of round (draft count, n-gram or not, temperature), not per row (the
             # calibrated allocation is ~0.1 ms each); planned whether or not the branch steps run: whether
             # each outcome lies within its fan-out is the planner's `coverage`, measured in every round

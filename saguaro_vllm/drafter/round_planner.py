@@ -126,6 +126,9 @@ class RoundPlanner:
         #: now pre-drafts (the next step's figures are that mode's)
         self.switch = PreDraftSwitch()
         self.predrafted = True
+        #: the plan and whether its branch steps pay, decided with the round (None: planned after the glue,
+        #: where the options fix the plan or `fallback` is off)
+        self.next_plan: tuple[PreDraftPlan, bool] | None = None
         self.select_row_s: float | None = None  # the candidate selection's seconds per logit row
 
     # ---- measurements -------------------------------------------------------------------------------
@@ -296,12 +299,15 @@ class RoundPlanner:
 
     def predraft_next(self, batch: int, k: int) -> bool:
         """Whether the round just sent (`batch` requests, `k` drafts each) pre-drafts, or leaves its rows to
-        be drafted as `sync` does after the verification (`fallback.PreDraftSwitch`). A plan the options fix
-        (`fanout`, `fanout_budget`, `finish_predraft`) or `fallback: "off"` always pre-drafts. One log line
-        per change of mode (probes of the other mode are not logged)."""
+        be drafted as `sync` does after the verification: where the pre-draft cannot pay for its costs
+        (`fallback.PreDraftSwitch`), or where its branch steps would not pay (`branches_pay_off`: a glue
+        without them is pure overhead), in which case the plan is kept in `next_plan`. A plan the options
+        fix (`fanout`, `fanout_budget`, `finish_predraft`) or `fallback: "off"` always pre-drafts. One log
+        line per change of mode (probes of the other mode are not logged)."""
+        self.next_plan = None
         if (self.opts.get("fallback", "auto") == "off" or self.opts.get("fanout") or self.opts.get("fanout_budget")
                 or self.opts.get("finish_predraft")):
-            self.predrafted = True
+            self.predrafted = True  # (the pre-draft plans after its glue, and may skip its branch steps)
             return True
         cost = self.cost_model()
         sync_rate = None
@@ -314,6 +320,10 @@ class RoundPlanner:
         if self.switch.predrafting != before:
             logger.info("Saguaro pre-drafting %s: %s", "resumed" if self.switch.predrafting else
                         "paused, drafting as mode sync does", self.switch.reason)
+        if self.predrafted:  # a round whose branch steps would not pay has nothing to glue for either
+            plan = self.plan(batch, k)
+            self.next_plan = (plan, self.branches_pay_off(plan, batch, k))
+            self.predrafted = self.next_plan[1]
         return self.predrafted
 
     def branches_pay_off(self, plan: PreDraftPlan, batch: int, k: int) -> bool:

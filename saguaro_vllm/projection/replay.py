@@ -150,7 +150,8 @@ class SSDReplay:
         if verify_s > 0 and NEW not in status and rows:
             committed = sum(t for t, s in zip(tokens, status) if s in (HIT, JIT))
             self.planner.measure_rate(committed, verify_s)
-        sync_like = not self.planner.predrafted  # no pre-draft ran for this step: every miss is drafted now
+        predrafted = self.planner.predrafted  # False: no pre-draft ran for this step, every miss is drafted now
+        sync_like = not predrafted
         jit_rows, topup_rows, fast = self._back_up(rows, status, served, misses, topups, sync_like)
         jobs = {i: len(served[i]) for i in jit_rows} | dict(topup_rows)
         now_fwd = self.clock.now_forwards(n, jobs, {i: rows[i].get("feed", 1) for i in jit_rows})
@@ -174,7 +175,7 @@ class SSDReplay:
         self.result.row_tokens.append(committed)
         self._prev_answer_s = answer_s
         self.result.per_step.append({"status": status, "depth": depth, "verify_s": verify_s, "late_s": late_s,
-                                     "answer_s": answer_s, "plan": self._plan_log})
+                                     "answer_s": answer_s, "plan": self._plan_log, "predrafted": predrafted})
 
     def _lookups(self, rows):
         status, served, misses, topups, tokens = [], [], [], [], []
@@ -308,8 +309,11 @@ class SSDReplay:
             return
         # steps per branch: the drafts the next round wants, as live (`PreDrafter`), not this round's count
         # (a hit cut short to 3 drafts would plan 3-step branches where the live run plans 5)
-        plan = self.planner.plan(len(roots), k)
-        pays = self.planner.branches_pay_off(plan, len(roots), k)
+        if self.planner.next_plan is not None:  # planned with the round, as live
+            plan, pays = self.planner.next_plan
+        else:
+            plan = self.planner.plan(len(roots), k)
+            pays = self.planner.branches_pay_off(plan, len(roots), k)
         fans = [self.planner.fanout_for(self.rounds[r].k, self.rounds[r].fast, plan.branches, self.rounds[r].temp)
                 for r in roots]
         self._plan_log = [plan.branches, plan.steps, pays]
