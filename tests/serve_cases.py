@@ -5,7 +5,8 @@ Three servers of the tiny pair run one after another: plain vLLM, Saguaro `mode:
 cases (`CASES`) and records, per case, what the client saw and how the server's `/metrics` counters grew
 during it (Prometheus multiprocess mode, so the worker's `vllm:saguaro_*` metrics are there too). Then the
 same server takes the drafter faults of `serve_faults.py` (the plain server records their reference
-batch): server start-ups dominate on 2 cores, so every check shares these three.
+batch), and the Saguaro servers are stopped with a signal as a user would (`serve_stop.py`): server
+start-ups dominate on 2 cores, so every check shares these three.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any, Callable
 from pathlib import Path
 
 import serve_faults
+import serve_stop
 from saguaro_vllm.tools.server_process import VLLMServer, metric_totals
 
 K = 4
@@ -331,15 +333,17 @@ def run_cases(server: VLLMServer, inputs, tmp: Path, mode: str) -> dict[str, dic
 
 
 def run_servers(pair, tmp: Path) -> dict[str, dict]:
-    """{"cases": {mode: records}, "faults": {fault: result}, "metric_names": {mode: names on /metrics}} of the
-    plain, sync and async servers.
+    """{"cases": {mode: records}, "faults": {fault: result}, "metric_names": {mode: names on /metrics},
+    "stops": {mode: record}} of the plain, sync and async servers.
 
     Order per server: ready; its faults (or, plain, the faults' reference batch) while nothing else runs,
-    since they time the fault's cost; then the next server boots while this one runs the request cases."""
+    since they time the fault's cost; then the next server boots while this one runs the request cases; then
+    it stops (the Saguaro ones as a user stops them, serve_stop.py)."""
     servers = [_server(pair, tmp, mode) for mode in MODES]
     cases: dict[str, dict] = {}
     faults: dict[str, dict] = {}
     names: dict[str, list[str]] = {}  # per server, the metric names its /metrics page showed at the end
+    stops: dict[str, dict] = {}
     reference: list[str] | None = None
     inputs = find_inputs(pair[0])
     try:
@@ -354,8 +358,10 @@ def run_servers(pair, tmp: Path) -> dict[str, dict]:
                 servers[i + 1].launch()
             cases[mode] = run_cases(server, inputs, tmp, mode)
             names[mode] = sorted({k.split("{")[0] for k in server.metric_samples()})
+            if mode in serve_stop.STOPS:
+                stops[mode] = serve_stop.stop(server, mode)
             server.stop()
     finally:
         for server in servers:
             server.stop()
-    return {"cases": cases, "faults": faults, "metric_names": names}
+    return {"cases": cases, "faults": faults, "metric_names": names, "stops": stops}

@@ -5,7 +5,8 @@ resolved config, the endpoint and the parent's pid come in that 0600 file inside
 directory (never on the command line, which every local user can read); the drafter deletes it once read.
 It exits when told to, on SIGTERM, or when its parent process dies (Linux `PR_SET_PDEATHSIG`, plus a poll
 of the parent while idle), so it never outlives the vLLM worker; on the way out it removes its socket
-directory. No vLLM import: this runs (and is tested) where vLLM is not installed.
+directory. It ignores SIGINT (a Ctrl-C reaches the whole process group): the worker stops it. No vLLM
+import: this runs (and is tested) where vLLM is not installed.
 """
 from __future__ import annotations
 
@@ -21,10 +22,20 @@ import sys
 import time
 import traceback
 
-import torch
+if __name__ == "__main__":
+    # Ctrl-C sends SIGINT to vLLM's whole process group, the drafter included. Its parent, vLLM's worker, is
+    # what stops on it, and stops the drafter in turn (a Shutdown message, SIGTERM, vLLM killing the worker's
+    # children, or the parent-death signal). Ignored here, before torch's import, because Python's default
+    # handler raises KeyboardInterrupt wherever the drafter is (ZeroMQ's poll, mostly) and prints its
+    # traceback into vLLM's log, and because a worker still stepping would take a drafter that exited ahead of
+    # it for a crash (a warning, and a replacement started). Only in the drafter process, not where this module
+    # is imported (tests).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-from saguaro_vllm.shared.proposal_buffers import ProposalRing
-from saguaro_vllm.shared.transport import (
+import torch  # noqa: E402
+
+from saguaro_vllm.shared.proposal_buffers import ProposalRing  # noqa: E402
+from saguaro_vllm.shared.transport import (  # noqa: E402
     DEVICE_ERROR_EXIT,
     Channel,
     Failed,
