@@ -72,6 +72,10 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
             (f"histogram_quantile(0.5, sum by (le) (rate(vllm:saguaro_verify_seconds_bucket{RATE})))", "verification"),
             (f"histogram_quantile(0.5, sum by (le) (rate(vllm:saguaro_late_seconds_bucket{RATE})))", "late")],
          "Pre-drafting hides drafting while it fits in the verification; `late` is on the critical path."),
+        ("Rounds by mode / s", "short", [
+            (f"sum by (mode) (rate(vllm:saguaro_rounds_total{RATE}))", "{{mode}}")],
+         "SSD steps after a round that pre-drafted, or that was drafted as mode sync does (the fallback: "
+         "pre-drafting could not pay on this workload)."),
         ("Pre-drafts skipped or cut short / s", "short", [
             (f"rate(vllm:saguaro_predraft_skipped_total{RATE})", "skipped"),
             (f"rate(vllm:saguaro_predraft_cut_short_total{RATE})", "cut short")], ""),

@@ -6,7 +6,10 @@ selection, proposal q' and the proposal ring carry real-sized rows. Greedy outpu
 batch 1 and 64, for a prompt of 3000 tokens, and with `n` = 3 at top-k 1 (sampled rows whose every
 completion is the argmax path); at T=1 the output distribution equals plain
 vLLM's, checked on a peaked target (below) so that a modest sample has power, with the paths asserted:
-drafts accepted and rejected, cache hits and misses, steps at more than one depth.
+drafts accepted and rejected, cache hits and misses, steps at more than one depth. SSD runs with
+`fallback: "off"`: on one CPU core this pair's glue and candidate selection over 128k-token rows cost more
+than its verification saves, so the fallback would draft as `sync` does and leave the paths above untested
+(the fallback itself: tests/test_e2e_greedy.py, tests/test_fallback.py).
 
 The models are tiny random Llamas (2 layers, hidden 64) built here, one pair per vocabulary, shared by the
 module's engines. The target is peaked: its LM head is zero except for 32 "live" tokens spread over the whole
@@ -106,7 +109,7 @@ def plain128k(pair128k):
 @pytest.fixture(scope="module")
 def async128k(pair128k):
     return run_engine(pair128k[0], _jobs(128256, sampled=True), engine_kwargs={**ENGINE, "seed": 1},
-                      speculative_config=_saguaro(pair128k[1], mode="async", depth="auto"))
+                      speculative_config=_saguaro(pair128k[1], mode="async", depth="auto", fallback="off"))
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +126,7 @@ def plain152k(pair152k):
 @pytest.fixture(scope="module")
 def async152k(pair152k):
     return run_engine(pair152k[0], _jobs(151936, sampled=False), engine_kwargs={**ENGINE, "seed": 1},
-                      speculative_config=_saguaro(pair152k[1], mode="async"))
+                      speculative_config=_saguaro(pair152k[1], mode="async", fallback="off"))
 
 
 def _assert_greedy_equal(plain, run) -> None:
