@@ -18,7 +18,6 @@ import types
 import typing
 
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 from saguaro_vllm.frontend.config import SaguaroConfig, SaguaroOptions
 from saguaro_vllm.frontend.vllm_spec_keys import PASSED_THROUGH, REFUSED, SAGUARO_FIELDS
@@ -53,7 +52,7 @@ def field_rows(model: type[BaseModel]) -> list[str]:
     for name, field in model.model_fields.items():
         if field.default_factory is not None:
             default = f"`{json.dumps(field.default_factory().model_dump(exclude_unset=True))}`"
-        elif field.default is PydanticUndefined:
+        elif field.is_required():
             default = "required"
         else:
             default = f"`{json.dumps(field.default)}`"
