@@ -210,6 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument("--label", default="matrix", help="results file: <date>-regimes-<label>.json")
+    p.add_argument("--note", default="", help="free text stored with the results and shown on the page")
     args = p.parse_args(argv)
     args.ratios = [float(x) for x in args.ratios.split(",")]
     args.vocabs = [int(x) for x in args.vocabs.split(",")]
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
            "settings": {"k": args.k, "max_tokens": args.max_tokens, "prompt_len": PROMPT_LEN,
                         "repeats": args.repeats, "draft": f"hidden {DRAFT_HIDDEN}, {LAYERS} layers",
                         "placement": "target core 0, Saguaro's drafter core 1; draft_model in the target's process"},
-           **summarize(runs, args, pairs), "runs": runs}
+           **({"note": args.note} if args.note else {}), **summarize(runs, args, pairs), "runs": runs}
     path = RESULTS / f"{run_date()}-regimes-{args.label}.json"
     path.write_text(json.dumps(out, indent=1))
     for c in out["cells"]:

@@ -794,8 +794,8 @@ def case_section(data: dict, title: str, question: str) -> list[str]:
 
 
 def load_regimes() -> dict | None:
-    """The newest `benchmarks/regimes.py` result (`*-regimes.json`), if any."""
-    found = sorted(RESULTS.glob("*-regimes.json"))
+    """The newest `benchmarks/regimes.py` result (`<date>-regimes-<label>.json`), if any."""
+    found = sorted(RESULTS.glob("*-regimes-*.json"))
     return json.loads(found[-1].read_text()) | {"_file": found[-1].name} if found else None
 
 
@@ -828,10 +828,11 @@ def regimes_section(data: dict | None) -> list[str]:
            "that accepts little at T > 0 reflects those settings, not a weaker draft, and is no merit of SSD.",
            ""]
     if data is None:
-        return out + ["No result yet: `benchmarks/results/*-regimes.json` is written by `benchmarks/regimes.py`.", ""]
+        return out + ["No result yet: `benchmarks/results/*-regimes-*.json` is written by `benchmarks/regimes.py`.", ""]
     m = data.get("machine") or {}
     out += [f"`benchmarks/results/{data['_file']}` ({str(data.get('date', '?'))[:10]}; {m.get('cpu', '?')}, "
             f"{m.get('cpus', '?')} cores); settings: `{json.dumps(data.get('settings', {}))}`", "",
+            *([f"Note: {data['note']}.", ""] if data.get("note") else []),
             "| ratio | vocab | batch | T | `sync` tok/s | SSD tok/s | `draft_model` tok/s | SSD / `sync` (goal) | "
             "SSD hit rate | SSD pre-draft share |", "|---:|---:|---:|---:|---|---|---|---:|---:|---:|"]
     for c in data.get("cells") or []:
