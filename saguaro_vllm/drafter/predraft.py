@@ -25,31 +25,16 @@ def _ranked(top: list[list[int]], drafts, width: int) -> list[list[int]]:
     return [[t for t in row if j >= len(drafts) or t != drafts[j]][:width] for j, row in enumerate(top)]
 
 
-def _glue_parts(req_ids: list[str], logit_rows: list[int]) -> list[list[str]]:
-    """The glue's requests in consecutive parts of at most about one draft forward's logit rows (one per
-    request): normally one part; rows whose depth distributions must be recomputed (after an n-gram backup:
-    K + 1 each) are spread over several forwards, so the answer never waits for all of them at once."""
-    cap = max(1, len(req_ids))
-    parts, rows = [[]], 0
-    for rid, n in zip(req_ids, logit_rows, strict=True):
-        if parts[-1] and rows + n > cap:
+def _parts(sizes: list[int], cap: int) -> list[list[int]]:
+    """Indices of `sizes` in consecutive parts of at most `cap` in all (at least one index each): the glue's
+    requests by the logit rows each computes, the candidate selection's roots by their depths."""
+    parts, total = [[]], 0
+    for i, n in enumerate(sizes):
+        if parts[-1] and total + n > cap:
             parts.append([])
-            rows = 0
-        parts[-1].append(rid)
-        rows += n
-    return [p for p in parts if p]
-
-
-def _select_parts(rows: list[int], cap: int) -> list[list[int]]:
-    """Indices of the roots in consecutive parts of at most `cap` logit rows (at least one root each) for
-    the candidate selection."""
-    parts, count = [[]], 0
-    for i, n in enumerate(rows):
-        if parts[-1] and count + n > cap:
-            parts.append([])
-            count = 0
+            total = 0
         parts[-1].append(i)
-        count += n
+        total += n
     return [p for p in parts if p]
 
 
@@ -68,8 +53,11 @@ class PreDrafter:
             if trace is not None:
                 trace.phase = GLUE
             roots, scores, protect = [], [], set(req_ids)
-            for part in _glue_parts(req_ids, self._glue_logit_rows(req_ids)):
-                glued = self._glue(part, protect)
+            # the glue in parts of at most one draft forward's logit rows (one per request): normally one
+            # part; rows whose depth distributions must be recomputed (after an n-gram backup: K + 1 each)
+            # spread over several forwards, so the answer never waits for all of them at once
+            for part in _parts(self._glue_logit_rows(req_ids), max(1, len(req_ids))):
+                glued = self._glue([req_ids[i] for i in part], protect)
                 roots += glued[0]
                 scores += glued[1]
                 if glued[0] and glue_done is None:
@@ -110,7 +98,7 @@ class PreDrafter:
             # it is cheap (a GPU) it stays one part with one host transfer
             width = max(MAX_RANK, max((max(f, default=0) for f in fans), default=0))
             tops = []
-            for part in _select_parts([r.k + 1 for r in roots], self.planner.selection_part_rows(len(roots))):
+            for part in _parts([r.k + 1 for r in roots], self.planner.selection_part_rows(len(roots))):
                 s0 = time.perf_counter()
                 top = top_tokens(torch.cat([scores[i] for i in part]), width + 1)
                 self.planner.observe_selection(sum(roots[i].k + 1 for i in part), time.perf_counter() - s0)

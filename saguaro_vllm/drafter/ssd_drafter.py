@@ -128,6 +128,9 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         self.planner = RoundPlanner(options)  # measurements and decisions (no model work)
         self._sent: dict[str, _Sent] = {}
         self._work: Iterator[None] | None = None
+        #: the round just answered (its requests, the most drafts a row wants), until the pre-draft for it is
+        #: decided, after the answer is out (`_start_predraft`)
+        self._pending: tuple[list[str], int] | None = None
         self._run: BranchRun | None = None  # the pre-draft's branch run (its step index picks Saguaro's F)
         self._predraft = SSDStats()
         self._fanout: list[int] = []  # the neural allocation in use (Saguaro sampling's F per depth)
@@ -183,16 +186,28 @@ class SSDDrafter(PreDrafter, SyncDrafter):
     @property
     def busy(self) -> bool:
         """Pre-drafting (or deferred clean-up) is pending: call `advance` while no request is waiting."""
-        return self._work is not None or bool(self._garbage) or bool(self._garbage_rounds)
+        return (self._work is not None or self._pending is not None or bool(self._garbage)
+                or bool(self._garbage_rounds))
 
     def answered(self) -> None:
         """The answer of the last `step` went out: the verification starts now."""
         self.planner.answered()
         if self.trace is not None:
             self.trace.answered()
+        self._start_predraft()
+
+    def _start_predraft(self) -> None:
+        """Decide the answered round's pre-draft (`RoundPlanner.predraft_next`: plan and whether it pays, off
+        the critical path since the answer is out) and queue it, or leave its rows to `sync` drafting."""
+        if self._pending is not None:
+            roots, k = self._pending
+            self._pending = None
+            if self.planner.predraft_next(len(roots), k):
+                self._work = self._predraft_rounds(roots)
 
     def advance(self) -> None:
         """One forward of the pre-draft, or the deferred clean-up when no pre-draft is pending."""
+        self._start_predraft()  # (where `answered` was not called)
         if self._work is None:
             self._flush_garbage()
             return
@@ -253,8 +268,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
                               committed=committed, verify_s=stats.verify_s)
         if self.trace is not None:
             self._trace_answer(req, ans, answer_s)
-        if roots and self.planner.predraft_next(len(roots), k):  # (after end_step: this step's figures count)
-            self._work = self._predraft_rounds(roots)
+        self._pending = (roots, k) if roots else None  # decided once the answer is out (after end_step)
         resp = StepResponse(req.step, ans.drafts, {}, time.perf_counter() - t0, ans.resync,
                             live_requests=len(self.reqs), free_blocks=self.runner.num_free_blocks,
                             row_status=ans.status, row_depth=ans.depth, ssd=dataclasses.asdict(stats),
@@ -266,6 +280,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         """The request ends the round: measure it (verification, lateness), choose this step's depth, and
         stop the pre-draft (finishing it first with `finish_predraft`). Returns the round's figures and
         whether its branch steps ran."""
+        self._start_predraft()  # (a round neither answered nor advanced still decides its mode)
         stats = self._predraft
         stats.predraft_done = self._work is None
         ran_branches = bool(stats.budget) and not stats.skipped
