@@ -18,8 +18,8 @@ test-fast: setup
 
 # Every case of benchmarks/cases.json, the depth ceiling, the verification curve, every engine at real
 # vocabularies, the drafter's host overhead, every engine under `vllm bench serve` (concurrency 1-64, two
-# datasets, T=0 and 0.7) and the GPU projection (traces, validation, cost models; several more hours on 2 cores),
-# then docs/benchmarks.md and plots.
+# datasets, T=0 and 0.7), the GPU projection (traces, validation, cost models; several more hours on 2 cores) and
+# the cost-regimes matrix (benchmarks/regimes.py), then docs/benchmarks.md and plots.
 # The date that names this run's result files and trace directories, fixed when make starts and passed to the
 # scripts (benchmarks/run.py: run_date), so a run that crosses midnight finds the files its earlier steps wrote.
 BENCH_DATE := $(or $(BENCH_DATE),$(shell date +%F))
@@ -50,6 +50,7 @@ bench: setup
 		--trace-glob 'async-b1-*/trace-*.jsonl.gz'
 	$(PY) benchmarks/project_gpu.py --traces benchmarks/results/traces/$(BENCH_DATE)-demo-pair-b1-256-k8 \
 		--trace-glob 'async-b1-*/trace-*.jsonl.gz' --label gpu-k8
+	$(PY) benchmarks/regimes.py --repeats 3
 	$(PY) benchmarks/report.py
 
 clean:
