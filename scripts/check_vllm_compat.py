@@ -8,7 +8,7 @@ source equal to the one the patch was reviewed against (saguaro_vllm/patches/fin
     python scripts/check_vllm_compat.py 0.33.0 --record           # after reading the targets: store them
 
 Only the wheel's Python sources are read (with `ast`), never imported, so any platform's wheel can be checked
-here. Exit code 0: every target as reviewed; 1: a difference (read it against the patch, docs/vllm-compat.md,
+here. Exit code 0: every target as reviewed; 1: a difference (read it against the patch, docs/dev/vllm-compat.md,
 then --record); 2: no such wheel or no reviewed fingerprints for that release.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The installed vLLM's patch targets are the ones the patches were reviewed against (fingerprints.json), so a
 vLLM update that changes a wrapped function fails here loudly; and the check itself tells a changed, moved or
-re-signed target from an unchanged one (scripts/check_vllm_compat.py, docs/vllm-compat.md)."""
+re-signed target from an unchanged one (scripts/check_vllm_compat.py, docs/dev/vllm-compat.md)."""
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -22,7 +22,7 @@ def test_installed_vllm_matches_its_reviewed_fingerprints():
     version = md.version("vllm")
     reviewed = compat.load_reviewed()
     assert compat.release(version) in reviewed, (
-        f"vLLM {version} has no reviewed fingerprints: read its patch targets (docs/vllm-compat.md), then "
+        f"vLLM {version} has no reviewed fingerprints: read its patch targets (docs/dev/vllm-compat.md), then "
         f"`python scripts/check_vllm_compat.py installed --record`")
     bad = [r for r in compat.check(compat.installed_vllm_root(), version) if r.status != "ok"]
     assert not bad, f"patch targets changed in vLLM {version}; read them against the patches: {bad}"
@@ -37,11 +37,11 @@ def test_every_supported_release_and_every_target_is_fingerprinted():
     for release, targets in reviewed.items():
         assert lo <= patches.parse_version(release) < hi, f"{release} is outside SUPPORTED_VLLM"
         assert set(compat.all_targets()) <= set(targets), release
-    # 0.33 differs from 0.32 in exactly the targets docs/vllm-compat.md discusses.
+    # 0.33 differs from 0.32 in exactly the targets docs/dev/vllm-compat.md discusses.
     changed = {t for t in reviewed["0.32.0"] if reviewed["0.32.0"][t] != reviewed["0.33.0"][t]}
-    doc = (REPO / "docs" / "vllm-compat.md").read_text()
+    doc = (REPO / "docs" / "dev" / "vllm-compat.md").read_text()
     for target in changed:
-        assert f"`{target.split(':')[1]}`" in doc, f"{target} differs in 0.33 but docs/vllm-compat.md omits it"
+        assert f"`{target.split(':')[1]}`" in doc, f"{target} differs in 0.33 but docs/dev/vllm-compat.md omits it"
 
 
 def _tree_with(tmp_path: Path, modules: list[str]) -> Path:

@@ -39,8 +39,8 @@ class SaguaroOptions(BaseModel):
         "async",
         description="`async`: speculative speculative decoding (SSD): while the target verifies, the drafter "
         "pre-drafts the likely outcomes into a speculation cache, so that on a hit the next drafts are ready at "
-        "once; when pre-drafting does not pay (low hit rate, large batch) it falls back to per-row backups and "
-        "behaves like `sync` ([algorithm.md](algorithm.md)). The options marked `async` only tune it. `sync`: "
+        "once; where pre-drafting cannot pay, its rounds are drafted exactly as `sync` drafts (`fallback`; "
+        "[algorithm.md](algorithm.md)). The options marked `async` only tune it. `sync`: "
         "after each verification the drafter drafts K tokens while the target waits (optimized speculative "
         "decoding in our own runtime), kept for comparison.",
     )
@@ -50,10 +50,8 @@ class SaguaroOptions(BaseModel):
         "vLLM (which accepts only `cpu` and `auto`); on GPUs the first GPU after the target's tensor x pipeline "
         "parallel GPUs (`cuda:{TP x PP}`; an error if there is none: give `cuda:N` to share a GPU). Under vLLM's "
         "Ray executor `auto` is an error: give `cuda:N` as the output rank's worker sees its GPUs, or `cpu` "
-        "(Topology below). A draft whose attention the drafter cannot run on that device is refused (on GPUs: "
-        "a head size under 16 where the drafter runs vLLM's attention kernels; with its own CUDA kernel, head "
-        "sizes other than 64 and 128 or more than 8 query heads per key/value head; on CPU, shapes the C++ "
-        "kernel cannot take run the slower plain-torch attention, with a warning).",
+        "(Topology below). A draft whose attention the drafter cannot run on that device is refused "
+        "([troubleshooting](troubleshooting.md#gpu-drafters)).",
     )
     draft_cores: list[int] | None = Field(
         None,
@@ -83,15 +81,12 @@ class SaguaroOptions(BaseModel):
     )
     linear: Literal["auto", "plain", "packed", "onednn", "int8"] = Field(
         "auto", description="The matmul path of the draft's linear layers. `plain`: `F.linear`. `packed` (CPU, "
-        "bfloat16): oneDNN with the weights pre-packed once at load; same numerics as plain bf16, ~1.4x faster "
-        "per layer. `onednn` (CPU, float32 or bfloat16): vLLM's own CPU GEMM (`torch.ops._C.onednn_mm`, one "
-        "pre-packed oneDNN handler per layer, as vLLM's CPU runner uses), 1.4-3x faster than `F.linear` from "
-        "2 rows on; one-row calls use `F.linear` where that is faster (timed at load). `int8` (CPU): int8 "
-        "weights per output channel, activations quantized per call (fbgemm); 2-3x faster per layer up to ~13 "
-        "rows but a slightly different draft, so acceptance may change (output stays exact: the verifier gets "
-        "the probabilities the draft sampled from). `auto`: `packed` for a bfloat16 drafter on CPU where "
-        "oneDNN's bf16 path runs, else `onednn` on CPU beside vLLM's CPU build, else `plain`. Figures: "
-        "`benchmarks/results/*-linear.json` ([ops.md](ops.md))."
+        "bfloat16): oneDNN with the weights pre-packed once at load; same numerics as plain bf16. `onednn` (CPU, "
+        "float32 or bfloat16): vLLM's own CPU GEMM, one pre-packed oneDNN handler per layer. `int8` (CPU): int8 "
+        "weights per output channel, activations quantized per call: a slightly different draft, so acceptance "
+        "may change (output stays exact: the verifier gets the probabilities the draft sampled from). `auto`: "
+        "`packed` for a bfloat16 drafter on CPU where oneDNN's bf16 path runs, else `onednn` on CPU beside vLLM's "
+        "CPU build, else `plain`. Timings per path: `benchmarks/results/*-linear.json` ([dev/ops.md](dev/ops.md))."
     )
     block_size: int = Field(16, description="Tokens per block of the drafter's paged KV cache: 8, 16, 32, 64 "
                             "or 128.")

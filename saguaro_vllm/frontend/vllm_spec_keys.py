@@ -49,7 +49,7 @@ REFUSED: dict[str, str] = {
     "prompt_lookup_min": "belongs to vLLM's ngram method; with Saguaro use saguaro.backup 'ngram' (mode 'async')",
     "use_heterogeneous_vocab": "Saguaro needs a draft with the target's vocabulary; remove it and use such a "
     "draft",
-    "attention_backend": "the drafter has its own attention kernels (docs/ops.md); remove it",
+    "attention_backend": "the drafter has its own attention kernels (docs/dev/ops.md); remove it",
     "moe_backend": "the drafter runs dense Llama/Qwen3 drafts only; remove it",
     "draft_load_config": "the drafter loads the draft's safetensors itself; remove it",
     "synthetic_acceptance_rates": "synthetic rejection sampling accepts drafts at made-up rates, which changes "

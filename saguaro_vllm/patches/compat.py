@@ -5,7 +5,7 @@ A fingerprint is the sha256 of `ast.unparse` of the function's definition (decor
 formatting ignored), read from the vLLM source files with `ast`, without importing vLLM: the same code
 reads an installed vLLM and an unpacked wheel of any version (`scripts/check_vllm_compat.py`), including a
 GPU wheel that cannot be imported here. A changed fingerprint means the wrapped function's body changed:
-read it against the patch's assumptions (docs/vllm-compat.md), then record the new fingerprint with
+read it against the patch's assumptions (docs/dev/vllm-compat.md), then record the new fingerprint with
 `scripts/check_vllm_compat.py VERSION --record`.
 """
 from __future__ import annotations

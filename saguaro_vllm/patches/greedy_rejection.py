@@ -21,7 +21,7 @@ rows, or that needs more than the output tokens, is off:
 - not synthetic rejection (`rejection_sample_method: synthetic` draws uniforms even when greedy);
 - not FLy rejection (vLLM 0.33, `rejection_sample_method: fly`, sets `fly_window_size` on the sampler): its
   `apply_fly_greedy_acceptance_kernel` rewrites the target argmax from the target rows' entropy before
-  `_rejection_greedy_sample`, so greedy rows need more than the argmax (docs/vllm-compat.md);
+  `_rejection_greedy_sample`, so greedy rows need more than the argmax (docs/dev/vllm-compat.md);
 - no logprobs (`max_num_logprobs is None`: vLLM returns logprobs built from the copied rows; nor
   `logprob_token_ids`, which vLLM's path would ignore here, kept out to stay on the plainest case);
 - `no_penalties`, no `allowed_token_ids_mask`, no bad words (`apply_logits_processors` applies these);

@@ -8,7 +8,7 @@ tokens: their KV shards then hold other tokens than rank 0's, silently.
 
 Fix: after rejection sampling, rank 0's `sampled_token_ids` ([rows, K+1] int32) is broadcast over the TP
 group and every rank continues with it. That is ~100 bytes per row per step, against `[tokens, vocab]`
-float32 for broadcasting q itself (docs/architecture.md has the measured costs). RNG stays in step:
+float32 for broadcasting q itself (measured costs: benchmarks/notes.md). RNG stays in step:
 every rank still draws the same noise, whatever q it verified with.
 
 The broadcast is a collective, so whether it happens is decided from data every rank has: a Saguaro

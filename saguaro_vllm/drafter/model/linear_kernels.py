@@ -3,8 +3,8 @@
 On CPU the draft step is dominated by its linear layers, and plain `F.linear` is not the fastest way to run
 them: oneDNN with a pre-packed bf16 weight is ~1.4-1.5x faster than `F.linear` in bf16 for the 1-24 rows of
 a multi-branch step, and int8 weights (fbgemm, activations quantized per call) are 2-3x faster up to ~13
-rows (`benchmarks/experiments/bench_linear.py`, docs/ops.md). Packing happens once at load; the float weights are then
-released unless another module shares them (a tied embedding).
+rows (`benchmarks/experiments/bench_linear.py`, benchmarks/notes.md). Packing happens once at load; the float
+weights are then released unless another module shares them (a tied embedding).
 
 oneDNN builds (and JIT-compiles) one primitive per input row count and keeps it in a bounded cache, about
 0.5 MB each in bf16: a drafter that sees every row count from 1 to a few hundred grows by hundreds of MB over
