@@ -356,15 +356,16 @@ def summary_line(r: dict) -> str:
 def report_lines(results: Path = RESULTS) -> list[str]:
     """The section of docs/benchmarks.md: the newest GPU device-check JSON in `results`, or that none ran."""
     found = [p for p in sorted(results.glob("*-device-check.json")) if json.loads(p.read_text()).get("mode") == "gpu"]
-    out = ["## GPU device check (issue 28 item 7)", "",
-           "`bash benchmarks/device_check.sh` on one H100/H200 (docs/ops.md says how); its JSON goes to "
-           "benchmarks/results/.", ""]
+    out = ["## GPU device check", "",
+           "`bash benchmarks/device_check.sh` on one H100/H200 ([dev/ops.md](dev/ops.md#gpu-check) says how); its "
+           "JSON goes to benchmarks/results/.", ""]
     if not found:
         return out + ["Not run yet: no GPU result is recorded, so nothing on this page was measured on a GPU.", ""]
     data = json.loads(found[-1].read_text())
     env = data["parts"].get("environment", {}).get("result", {})
     gpu = env.get("gpu", {}).get("name", "no GPU")
-    out += [f"{found[-1].name}: verdict **{data.get('verdict', 'incomplete').upper()}**, {gpu}, "
+    name = found[-1].name
+    out += [f"[{name}](../benchmarks/results/{name}): verdict **{data.get('verdict', 'incomplete').upper()}**, {gpu}, "
             f"torch {env.get('torch')}, {data.get('elapsed_s')} s.", "",
             "| part | status | why / notes |", "|---|---|---|"]
     for name, p in data["parts"].items():

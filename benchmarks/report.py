@@ -13,10 +13,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # report_projection beside it
+from report_projection import result_link, short_command  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 NOTES = ROOT / "benchmarks" / "notes.md"
 PAGE = ROOT / "docs" / "benchmarks.md"
@@ -39,6 +43,19 @@ def load_latest() -> list[dict]:
         if data["name"] not in latest or data["date"] >= latest[data["name"]]["date"]:
             latest[data["name"]] = data
     return sorted(latest.values(), key=lambda d: d["name"])
+
+
+def model_dir(path: str) -> str:
+    """A model directory as the page names it: its last two parts (the demo pair's cache key and the model),
+    not the path on the machine that ran it."""
+    return "/".join(Path(path).parts[-2:])
+
+
+def placement_rule(placement: dict) -> str:
+    """The rule of the placement a result ran: its `rule` text describes every placement (`split: ...; equal:
+    ...`); the page keeps the one used and what holds for all."""
+    other = [f"{mode}:" for mode in ("split", "equal") if mode != placement["mode"]]
+    return "; ".join(part for part in placement["rule"].split("; ") if not part.startswith(tuple(other)))
 
 
 def family(engine: str) -> str:
@@ -293,10 +310,10 @@ def soak_section(data: dict) -> list[str]:
     kills = data.get("kills") or ([data["kill"]] if data.get("kill") else [])  # "kill": results before 12-04
     ms = lambda f: fmt(None if f is None else 1e3 * f, ".1f")  # noqa: E731
     out = ["## Soak", "",
-           f"- command: `{data['command']}` (result `benchmarks/results/{data['_file']}`)",
+           f"- command: `{data['command']}` (result {result_link(data['_file'])})",
            f"- {st['clients']} concurrent streaming clients for {st['duration_s']:g} s against `vllm serve` on "
-           f"127.0.0.1, Saguaro `mode: async`, K={st['k']}; models: {data['models']} (`{data['target']}` / "
-           f"`{data['draft']}`); temperatures {list(st['temperatures'])} (drawn per request"
+           f"127.0.0.1, Saguaro `mode: async`, K={st['k']}; models: {data['models']} (`{model_dir(data['target'])}` / "
+           f"`{model_dir(data['draft'])}`); temperatures {list(st['temperatures'])} (drawn per request"
            + (f": {100 * st['greedy_share']:.0f} % greedy" if st.get("greedy_share") is not None else "")
            + f"), max_tokens {list(st['lengths'])}, stop "
            "by length (ignore_eos), EOS, stop strings or stop token ids; a quarter of the requests are chats",
@@ -406,7 +423,7 @@ def soak_memory_block(data: dict) -> list[str]:
         for j in m.get("kill_jumps") or [])
     return [SOAK_BEGIN,
             f"- **In the soak** ([benchmarks.md](benchmarks.md#soak), "
-            f"`benchmarks/results/{data['_file']}`: {st['clients']} clients for {st['duration_s']:g} s{greedy}, "
+            f"{result_link(data['_file'])}: {st['clients']} clients for {st['duration_s']:g} s{greedy}, "
             f"models: {data['models']}; speculation-cache hit rate {fmt(sp.get('cache_hit_rate'), '.3f')}; "
             + (f"1-minute load average {data['load']['loadavg_1min_during']['mean']:.1f} on "
                f"{data['machine']['cpus']} cores during the run; " if data["load"].get("loadavg_1min_during") else "")
@@ -452,25 +469,26 @@ def serve_section(data: dict) -> list[str]:
     """`vllm bench serve` figures per dataset, temperature, concurrency and engine, and the TPOT plot."""
     m, st = data["machine"], data["settings"]
     out = ["## Serving", "", "Every engine as a `vllm serve` driven by vLLM's own `vllm bench serve`.", "",
-           f"`benchmarks/bench_serve.py` ({data['_file']}; vLLM's own result JSON of every run in "
-           f"`{data['result_dir']}/`): each engine a `vllm serve` of `{data['target']}` (draft `{data['draft']}`), "
+           f"`benchmarks/bench_serve.py` ({result_link(data['_file'])}; vLLM's own result JSON of every run in "
+           f"`{data['result_dir']}/`): each engine a `vllm serve` of `{model_dir(data['target'])}` "
+           f"(draft `{model_dir(data['draft'])}`), "
            f"driven by vLLM's benchmark client at max concurrency {', '.join(map(str, st['concurrency']))} "
            f"(requests per run: {', '.join(f'{n} at {c}' for c, n in st['requests'].items())}; all sent at once), "
            f"{st['output_len']} output tokens per request (ignore_eos), K={st['k']}, client `{st.get('client', 'cli')}`. "
            f"Datasets: " + "; ".join(SERVE_DATASETS[d].format(**st) for d in st["datasets"]) + ". "
-           f"Placement `{data['placement']['mode']}` ({data['placement']['rule']}). Machine: "
+           f"Placement `{data['placement']['mode']}` ({placement_rule(data['placement'])}). Machine: "
            f"{m['cpu']}, {m['cpus']} cores; load average {data['load_avg']['start'][0]:.1f} at the start, "
            f"{data['load_avg']['end'][0]:.1f} at the end. {data.get('note') or ''}", "",
-           f"- command: `{data['command']}` ({data['runtime_s'] / 60:.0f} min)",
+           f"- command: `{short_command(data['command'], data.get('note'))}` ({data['runtime_s'] / 60:.0f} min)",
            *(f"- added later ({e['date'][:16].replace('T', ' ')} UTC, load average {e['load_avg']['start'][0]:.1f} at "
              f"its start, cases {', '.join(e['cases'])}): `{e['command']}` ({e['runtime_s'] / 60:.0f} min). "
              f"{e.get('note') or ''}".rstrip() for e in data.get("extended", [])),
-           "- TTFT, TPOT (per request, excluding the first token), ITL (between streamed chunks: a chunk carries "
-           "every token of a verification) in ms, p50 / p99; output tok/s over the run; acceptance from the "
-           "server's spec-decode counters (vLLM's result JSON); hit rate: SSD's speculation cache, from "
-           "`/metrics`; load: the machine's 1-minute load average when the run started (other jobs included).", "",
-           "| dataset | T | concurrency | engine | TTFT ms | TPOT ms | ITL ms | output tok/s | vs AR | accept rate "
-           "| accept len | hit rate | load |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "- TTFT and TPOT (per request, excluding the first token) in ms, p50 / p99 (vLLM's result JSON also "
+           "holds ITL, between streamed chunks); output tok/s over the run; acceptance from the server's "
+           "spec-decode counters; hit rate: SSD's speculation cache, from `/metrics`; load: the machine's 1-minute "
+           "load average when the run started (other jobs included).", "",
+           "| dataset | T | concurrency | engine | TTFT ms | TPOT ms | output tok/s | vs AR | accept rate "
+           "| accept len | hit rate | load |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def pair(row, metric):
         return f"{fmt(row.get(f'p50_{metric}_ms'), '.0f')} / {fmt(row.get(f'p99_{metric}_ms'), '.0f')}"
@@ -483,7 +501,7 @@ def serve_section(data: dict) -> list[str]:
                 continue
             tput = row.get("output_throughput")
             out.append(f"| {dataset} | {t:g} | {c} | {LABEL[fam]} | {pair(row, 'ttft')} | {pair(row, 'tpot')} "
-                       f"| {pair(row, 'itl')} | {fmt(tput, '.1f')} | "
+                       f"| {fmt(tput, '.1f')} | "
                        f"{fmt(tput / ar if ar and tput else None, '.2f')}{'x' if ar and tput else ''} "
                        f"| {fmt(row.get('spec_decode_acceptance_rate'))} | {fmt(row.get('spec_decode_acceptance_length'))} "
                        f"| {fmt(row.get('hit_rate'), '.3f')} | {fmt(row.get('load'), '.1f')} |")
@@ -547,11 +565,12 @@ def _transport_header(data: dict, title: str) -> list[str]:
     """A `bench_transport.py` section's title, what ran where, and the command."""
     m = data["machine"]
     return [f"## {title}", "",
-            f"`benchmarks/bench_transport.py` ({data['_file']}, {data['date'][:16]} UTC, commit {data['commit']}): "
+            f"`benchmarks/bench_transport.py` ({result_link(data['_file'])}, {data['date'][:16]} UTC, "
+            f"commit {data['commit']}): "
             f"{data['model']}, K={data['k']}, {data['max_tokens']} output tokens per request, prompts of "
             f"{data['prompt_len']} tokens; {data['placement']}. Machine: {m['cpu']}, {m['cpus']} cores. "
             f"{data.get('note') or ''}", "",
-            f"- command: `{data['command']}`"]
+            f"- command: `{short_command(data['command'], data.get('note'))}`"]
 
 
 def transport_section(data: dict) -> list[str]:
@@ -645,7 +664,10 @@ def real_vocab_section(data: dict) -> list[str]:
                     checks.append(f"- vocab {vocab}, batch {batch}, T={t:g}: {name} {step[e]:.1f} ms per step "
                                   f"against {ref:.1f} ({verdict})")
     if checks:
-        out += ["", "Bars on this result:", ""] + checks
+        missed = [c for c in checks if not c.endswith("(met)")]
+        out += ["", f"Bars on this result: met in {len(checks) - len(missed)} of {len(checks)} "
+                "(Saguaro `sync` and `async` per step against `draft_model`, batch 16 and 64, T=0 and T=1)"
+                + (":" if missed else "."), *([""] + missed if missed else [])]
     return out + [""]
 
 
@@ -667,14 +689,14 @@ def host_overhead_section(results: list[dict]) -> list[str]:
            "`benchmarks/bench_host_overhead.py`: a compute-free draft (1 layer, hidden 16, one thread), so the time "
            "is the host's: Python, bookkeeping, candidate selection, forks, transfers. Greedy rounds use vocabulary "
            "256; sampled ones the real 128256, where q' over the vocabulary is real CPU work (device work on a GPU): "
-           "upper bounds there. `before`: the code at the start of issue 28 (9336246) or of the session; `after`: this "
-           "tree. Where measured, a time is split into the model's own forward and LM head (its kernels: device work "
-           "on a GPU, here the CPU runs them, ~2 ms for 2048 one-token rows even at hidden 16) and the rest, the host "
-           "(host = total - model). Goals: a branch step's host time at batch 64 x 32 branches within 2 ms, an answer "
-           "within 0.3 ms at batch 1 and 1 ms at 64.", ""]
+           "upper bounds there. Where measured, a time is split into the model's own forward and LM head (its "
+           "kernels: device work on a GPU, here the CPU runs them) and the rest, the host (host = total - model). "
+           "Goals: a branch step's host time at batch 64 x 32 branches within 2 ms, an answer within 0.3 ms at "
+           "batch 1 and 1 ms at 64. A result measured on several code trees is shown for the tree `after` (the "
+           "code measured); its file holds the others.", ""]
     for data in results:
         m = data["machine"]
-        out += [f"### {data['label']} ({data['_file']}, {data['date'][:16]} UTC, commit {data['commit']}; "
+        out += [f"### {data['label']} ({result_link(data['_file'])}, {data['date'][:16]} UTC, commit {data['commit']}; "
                 f"{m['cpu']}, {m['cpus']} cores)", "", f"- command: `{data['command']}`"
                 + (f"; {data['tree_note']}" if data.get("tree_note") else "")
                 + (f"; load average {data['load_avg']['start'][0]:.2f} at the start, {data['load_avg']['end'][0]:.2f} "
@@ -686,7 +708,10 @@ def host_overhead_section(results: list[dict]) -> list[str]:
             host = r.get(f"{name}_host_ms")
             return fmt(r.get(f"{name}_ms"), ".2f") + (f" ({host:.2f})" if host is not None else "")
 
-        for r in sorted(data["results"], key=lambda r: (r["temperature"], r["batch"], r["budget"], r.get("tree") or "")):
+        rows = data["results"]
+        if any(r.get("tree") == "after" for r in rows):
+            rows = [r for r in rows if r.get("tree") == "after"]
+        for r in sorted(rows, key=lambda r: (r["temperature"], r["batch"], r["budget"], r.get("tree") or "")):
             out.append(f"| {r['temperature']:g} | {r['vocab']} | {r['batch']} | {r['budget']} | {r.get('tree') or '-'} "
                        f"| {fmt(r.get('answer_ms'), '.2f')} | {split(r, 'glue')} | {split(r, 'branch_step')} "
                        f"| {split(r, 'jit')} | {r['transfers_per_forward']:.1f} |")
@@ -705,7 +730,8 @@ def verify_curve_section(data: dict) -> list[str]:
     """Verification ms per batch and drafts per row, and its ratio to the plain decode step (d = 0)."""
     m = data["machine"]
     out = ["## Verification time against drafts per row", "",
-           f"`benchmarks/verify_curve.py` ({data['_file']}, {data['date'][:16]} UTC): cost-matched demo pair, "
+           f"`benchmarks/verify_curve.py` ({result_link(data['_file'])}, {data['date'][:16]} UTC): "
+           "cost-matched demo pair, "
            f"T=0, {data['max_tokens']} tokens per request; {data['placement']}. Machine: {m['cpu']}, "
            f"{m['cpus']} cores. The target verifies exactly d drafts per row from a free, perfect drafter "
            "(the oracle: its own recorded greedy tokens, no drafter process), so one step takes (tokens per "
@@ -735,7 +761,8 @@ def ceiling_section(data: dict) -> list[str]:
     m, summary = data["machine"], data["summary"]
     fixed, auto = f"saguaro-async-k{data['k']}", f"saguaro-async-depth-auto-k{data['max_depth']}"
     out = ["## Depth: SSD against the ceiling of a free, perfect drafter", "",
-           f"`benchmarks/ceiling.py` ({data['_file']}, {data['date'][:16]} UTC): cost-matched demo pair, batch 1, "
+           f"`benchmarks/ceiling.py` ({result_link(data['_file'])}, {data['date'][:16]} UTC): "
+           "cost-matched demo pair, batch 1, "
            f"T=0, {data['num_prompts']} prompts x {data['max_tokens']} tokens, {data['rounds']} interleaved "
            f"rounds; {data['placement']}. Machine: {m['cpu']}, {m['cpus']} cores. The oracle is a vLLM "
            "`custom_class` proposer returning the target's own greedy tokens (recorded first): every draft "
@@ -774,12 +801,12 @@ def case_section(data: dict, title: str, question: str) -> list[str]:
     """One `run.py` case as a section: how it ran, the table, SSD's ratios with intervals, the bars, the plots."""
     m = data["machine"]
     out = [f"## {title}", "", question, "",
-           f"`benchmarks/results/{data['_file']}` ({data['date'][:10]}; {m['cpu']}, {m['cpus']} cores, "
+           f"{result_link(data['_file'])} ({data['date'][:10]}; {m['cpu']}, {m['cpus']} cores, "
            f"{m['memory_gb']} GiB; " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ")",
            f"- command: `{data['command']}`",
-           f"- models: {data['models']} (`{data['target']}` / `{data['draft']}`)",
+           f"- models: {data['models']} (`{model_dir(data['target'])}` / `{model_dir(data['draft'])}`)",
            f"- placement `{data['placement']['mode']}` (target cores {data['placement']['target_cores']}, "
-           f"drafter cores {data['placement']['draft_cores']}); {data['placement']['rule']}",
+           f"drafter cores {data['placement']['draft_cores']}); {placement_rule(data['placement'])}",
            f"- {data['num_prompts']} group(s) of `batch` concurrent requests per run, {data['max_tokens']} "
            f"output tokens each (ignore_eos), {data['rounds']} interleaved round(s); Saguaro K={data['k']}, "
            f"`draft_model` K tried: {data['k_draft_model']} (best shown)", ""]
@@ -799,14 +826,16 @@ def load_regimes() -> dict | None:
     return json.loads(found[-1].read_text()) | {"_file": found[-1].name} if found else None
 
 
-def _spread(values) -> str:
-    """mean [min-max] (n) of a list of tokens/s, or the one value."""
+def _spread(values, runs_said: bool = False) -> str:
+    """mean [min-max] (n runs) of a list of tokens/s, or the one value; `runs_said`: the count is in the
+    table's header, not in each cell."""
     values = [v for v in (values if isinstance(values, list) else [values]) if v is not None]
     if not values:
         return "-"
+    count = "" if runs_said else f" ({len(values)} run{'s' if len(values) > 1 else ''})"
     if len(values) == 1:
-        return f"{values[0]:.2f} (1 run)"
-    return f"{sum(values) / len(values):.2f} [{min(values):.2f}-{max(values):.2f}] ({len(values)} runs)"
+        return f"{values[0]:.2f}{count}"
+    return f"{sum(values) / len(values):.2f} [{min(values):.2f}-{max(values):.2f}]{count}"
 
 
 def regimes_section(data: dict | None) -> list[str]:
@@ -816,31 +845,36 @@ def regimes_section(data: dict | None) -> list[str]:
     out = ["## Cost regimes", "",
            "Where SSD pays: the same engines under draft/target cost ratios, vocabularies, batches and "
            "temperatures (`benchmarks/regimes.py`). Goals: SSD (`mode: async`, with its fallback to `sync` "
-           "drafting, docs/algorithm.md) at least 0.97x `sync` in every cell, 1.15x where the draft is cheap "
+           "drafting, [algorithm.md](algorithm.md#fallback-when-ssd-drafts-as-sync-does)) at least 0.97x `sync` "
+           "in every cell, 1.15x where the draft is cheap "
            "(ratio <= 0.2), batch <= 16, T = 0.", "",
-           "vLLM `draft_model` runs with `draft_sample_method: \"probabilistic\"`: vLLM's default, `greedy`, "
-           "proposes the draft's argmax and verifies it as if the draft were certain of it, so at T > 0 each "
-           "draft survives only with the target's probability of that token (near zero over a flat 128k "
-           "vocabulary, even with the target itself as the draft). On vLLM 0.32's CPU build the probabilistic "
-           "path also needs saguaro-vllm's CPU sampling fix (loaded with the plugin): the CPU fallback of the "
-           "kernel that spreads each request's temperature over its draft positions leaves them uninitialised. "
-           "With both, `draft_model` accepts every draft of an identical draft at T = 1; a `draft_model` figure "
-           "that accepts little at T > 0 reflects those settings, not a weaker draft, and is no merit of SSD.",
+           "vLLM `draft_model` runs with `draft_sample_method: \"probabilistic\"` (vLLM's default, `greedy`, "
+           "verifies the draft's argmax as if the draft were certain of it, so at T > 0 few drafts survive) and, "
+           "on vLLM 0.32's CPU build, with saguaro-vllm's CPU sampling fix loaded; with both it accepts every "
+           "draft of an identical draft at T = 1. A `draft_model` figure that accepts little at T > 0 reflects "
+           "those settings, not a weaker draft, and is no merit of SSD.",
            ""]
     if data is None:
         return out + ["No result yet: `benchmarks/results/*-regimes-*.json` is written by `benchmarks/regimes.py`.", ""]
     m = data.get("machine") or {}
-    out += [f"`benchmarks/results/{data['_file']}` ({str(data.get('date', '?'))[:10]}; {m.get('cpu', '?')}, "
+    counts = {len(v) if isinstance(v, list) else 1 for c in data.get("cells") or []
+              for e in (c.get("engines") or {}).values() if (v := e.get("tokens_per_s")) is not None}
+    runs = counts.pop() if len(counts) == 1 else None
+    each = [] if runs is None else ["Tokens/s per engine and cell: " + (
+        "one run." if runs == 1 else f"mean [min-max] of {runs} runs."), ""]
+    out += [f"{result_link(data['_file'])} ({str(data.get('date', '?'))[:10]}; {m.get('cpu', '?')}, "
             f"{m.get('cpus', '?')} cores); settings: `{json.dumps(data.get('settings', {}))}`", "",
-            *([f"Note: {data['note']}.", ""] if data.get("note") else []),
+            *([f"Note: {data['note']}.", ""] if data.get("note") else []), *each,
             "| ratio | vocab | batch | T | `sync` tok/s | SSD tok/s | `draft_model` tok/s | SSD / `sync` (goal) | "
             "SSD hit rate | SSD pre-draft share |", "|---:|---:|---:|---:|---|---|---|---:|---:|---:|"]
     for c in data.get("cells") or []:
         e = c.get("engines") or {}
         ssd = e.get("async") or {}
         out.append(f"| {c.get('ratio', '-')} | {c.get('vocab', '-')} | {c.get('batch', '-')} | "
-                   f"{c.get('temperature', '-')} | {_spread((e.get('sync') or {}).get('tokens_per_s'))} | "
-                   f"{_spread(ssd.get('tokens_per_s'))} | {_spread((e.get('draft_model') or {}).get('tokens_per_s'))} "
+                   f"{c.get('temperature', '-')} | "
+                   f"{_spread((e.get('sync') or {}).get('tokens_per_s'), runs is not None)} | "
+                   f"{_spread(ssd.get('tokens_per_s'), runs is not None)} | "
+                   f"{_spread((e.get('draft_model') or {}).get('tokens_per_s'), runs is not None)} "
                    f"| {fmt(c.get('async_over_sync'), '.2f')} ({c.get('goal', '-')}{'' if c.get('met', True) else ', missed'}) "
                    f"| {fmt(ssd.get('hit_rate'), '.3f')} | {fmt(ssd.get('predraft_share'), '.2f')} |")
     if data.get("goals"):
@@ -854,9 +888,6 @@ CASE_SECTIONS = (
      "Tokens/s per sequence of every engine on the cost-matched demo pair, batch 1-16, T = 0 / 0.7 / 1. One round "
      "per cell: the spread is the interval over requests; how far a cell moves between runs is under "
      "[Projection](#projection), repeatability."),
-    ("Temperature", "temperature",
-     "Sampled requests (T = 0.7, 1.0) at batch 1 and 4: the speculation cache hits less often when the target "
-     "samples."),
     ("Batch", "batch-sweep-32-64", "Larger batches (32, 64): verification grows with the batch, pre-drafting pays "
      "less."),
 )
@@ -871,12 +902,14 @@ def render(results: list[dict]) -> str:
            "stay in git history; analysis and lab notes are in `benchmarks/notes.md`. Reproduce from scratch on a "
            "fresh clone, after `make setup`: `make bench`.", "",
            "Every figure here was measured on CPUs, with the locally trained demo pair ([demo-pair.md](demo-pair.md):"
-           " a small target and draft zero-padded to cost like 409M and 50M-parameter models); no GPU ran any of "
+           " a small target and draft zero-padded to cost like ~400M and ~50M-parameter models); no GPU ran any of "
            "it. The GPU figures under [Projection](#projection) are a replay under a GPU cost model, not a "
            "measurement.", ""]
     for title, name, question in CASE_SECTIONS:
         if name in by_name:
             out += case_section(by_name[name], title, question)
+        if name == "cost-matrix":
+            out += temperature_section(*headline_inputs())
     out += regimes_section(load_regimes())
     real_vocab = load_real_vocab()
     if real_vocab is not None:
@@ -887,7 +920,6 @@ def render(results: list[dict]) -> str:
     host = load_host_overhead()
     if host:
         out += host_overhead_section(host)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sections beside it
     import report_projection
 
     out += report_projection.section()
@@ -904,14 +936,24 @@ HEADLINE_BEGIN = ("<!-- headline:begin (generated by benchmarks/report.py from t
 HEADLINE_END = "<!-- headline:end -->"
 
 
-def headline_block(repeat: dict, validation: dict | None) -> list[str]:
-    """The README's figures: SSD against `sync` per cell of the newest repeatability result (every run of each
-    cell, not one), with its pair, machine, date and file; vLLM AR at batch 1 from the validation it repeats."""
+def code_of(result: dict) -> str | None:
+    """The commit a result measured: its `commit`, else the one its note names as "code (<hash>)"."""
+    if result.get("commit"):
+        return result["commit"]
+    m = re.search(r"\bcode \(([0-9a-f]{7,40})\)", result.get("note") or "")
+    return m.group(1) if m else None
+
+
+def repeated_table(repeat: dict, validation: dict | None, results_dir: str) -> list[str]:
+    """SSD against `sync` per cell of a repeatability result (every run of each cell, not one), with its pair,
+    machine, date, code and file; vLLM AR at batch 1 from the validation it repeats. Links to results files
+    start with `results_dir` (relative to the page the table goes on)."""
     m = repeat["machine"]
-    out = [HEADLINE_BEGIN,
-           f"Demo pair (cost-matched), K=5, 256 tokens per request, {m['cpu']} with {m['cpus']} cores (target on "
-           f"one, drafter on the other), {repeat['date'][:10]}; each cell recorded {min(c['runs'] for c in repeat['cells'])}"
-           f" times, every run shown ([{repeat['_file']}](benchmarks/results/{repeat['_file']})). Tokens/s of the "
+    code = code_of(repeat)
+    out = [f"Demo pair (cost-matched), K=5, 256 tokens per request, {m['cpu']} with {m['cpus']} cores (target on "
+           f"one, drafter on the other), {repeat['date'][:10]}" + (f", code {code}" if code else "")
+           + f"; each cell recorded {min(c['runs'] for c in repeat['cells'])}"
+           f" times, every run shown ([{repeat['_file']}]({results_dir}{repeat['_file']})). Tokens/s of the "
            "whole batch:", "",
            "| batch | T | `sync` tokens/s | SSD (`async`) tokens/s | SSD / `sync` (means) | SSD hit rate |",
            "|---:|---:|---|---|---:|---:|"]
@@ -930,8 +972,26 @@ def headline_block(repeat: dict, validation: dict | None) -> list[str]:
     ar = next((x for x in (validation or {}).get("vllm_ar") or [] if x["batch"] == 1), None)
     if ar is not None:
         out[-1] += (f" vLLM without speculation at batch 1: {ar['measured_per_seq']:.2f} tokens/s (one run, "
-                    f"[{validation['_file']}](benchmarks/results/{validation['_file']})).")
-    return out + [HEADLINE_END]
+                    f"[{validation['_file']}]({results_dir}{validation['_file']})).")
+    return out
+
+
+def headline_block(repeat: dict, validation: dict | None) -> list[str]:
+    """The README's figures: the repeated runs' table, between the markers `sync_readme` rewrites."""
+    return [HEADLINE_BEGIN, *repeated_table(repeat, validation, "benchmarks/results/"), HEADLINE_END]
+
+
+def temperature_section(repeat: dict | None, validation: dict | None) -> list[str]:
+    """Temperature: SSD against `sync` at T = 0, 0.7 and 1 from the newest repeatability result (the figures
+    the README shows)."""
+    if repeat is None:
+        return []
+    return ["## Temperature", "",
+            "SSD against `sync` at T = 0, 0.7 and 1, batch 1, 4 and 16, each cell run more than once: the "
+            "speculation cache hits less often when the target samples. vLLM AR and `draft_model` at T > 0 are "
+            "under [Speed](#speed-against-sync-and-draft_model); the same runs replayed are under "
+            "[Projection](#projection).", "",
+            *repeated_table(repeat, validation, "../benchmarks/results/"), ""]
 
 
 def sync_readme(repeat: dict, validation: dict | None, path: Path = README) -> bool:

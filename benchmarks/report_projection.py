@@ -19,12 +19,23 @@ def _newest(pattern: str) -> dict | None:
     return data
 
 
+def result_link(name: str) -> str:
+    """A results file as a link from docs/benchmarks.md."""
+    return f"[{name}](../benchmarks/results/{name})"
+
+
+def short_command(command: str, note: str | None) -> str:
+    """The command as run, its `--note` text elided where the page shows the note beside it."""
+    return command.replace(f" --note {note}", " --note ...") if note else command
+
+
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v * 100:+.1f} %"
 
 
 def validation_lines(data: dict) -> list[str]:
-    out = [f"**Validation on this machine** (`{data['_file']}`; command `{data.get('command', '')}`): each run's "
+    out = [f"**Validation on this machine** ({result_link(data['_file'])}; command "
+           f"`{short_command(data.get('command', ''), data.get('note'))}`): each run's "
            "trace replayed with the cost model calibrated here (`saguaro-vllm calibrate`), against what the same "
            "run measured; bars: 10 % (tokens/s), 0.05 (hit rate). \"Own costs\": the replay under the cost model "
            "fitted from that run's own trace (isolates the replay from the calibration). "
@@ -47,8 +58,7 @@ def validation_lines(data: dict) -> list[str]:
         out += ["", "vLLM AR (T=0, pinned to core 0) measured and projected from the verify curve's depth 0, and "
                 "whether it is ahead of each Saguaro mode (tokens/s per sequence) in the runs and in the projection "
                 "(in brackets the mode's own, measured / projected: each request's tokens over its own span, as the "
-                "engine counts them; results before 2026-12-07 compared the projected batch total over the batch "
-                "size, which is low where requests end at different steps):",
+                "engine counts them):",
                 "", "| batch | AR measured | AR projected | error | AR ahead of sync (measured / projected) | "
                 "AR ahead of SSD (measured / projected) |", "|---|---|---|---|---|---|"]
         for x in ar:
@@ -63,7 +73,8 @@ def validation_lines(data: dict) -> list[str]:
 
 def repeatability_lines(data: dict) -> list[str]:
     """`repeatability.py`: the same cells run more than once here, against the validation's bars."""
-    out = [f"**Repeatability of the measurement** (`{data['_file']}`; command `{data.get('command', '')}`): the "
+    out = [f"**Repeatability of the measurement** ({result_link(data['_file'])}; command "
+           f"`{short_command(data.get('command', ''), data.get('note'))}`): the "
            "same cells (same code, prompts and settings) run again on this machine, each run measured like the "
            "validation's; a cell whose runs differ by more than the bars cannot be projected within them from any "
            f"one run. Machine: {data.get('machine', {}).get('cpu', '?')}. {data.get('note') or ''}".rstrip(), "",
@@ -84,7 +95,8 @@ def repeatability_lines(data: dict) -> list[str]:
     out += ["", f"{within} of {len(data['cells'])} cells repeat within the bars."]
     versus = data.get("against_validation")
     if versus:
-        out[-1] += (f" Against the mean of each cell's runs, the projection of `{versus['validation']}` is within "
+        out[-1] += (" Against the mean of each cell's runs, the projection of "
+                    f"{result_link(versus['validation'])} is within "
                     f"the bars in {versus['within_bars']} of {versus['cells']} cells.")
     return out + [""]
 
@@ -95,7 +107,7 @@ def _batches(data: dict) -> list[int]:
 
 def projection_lines(data: dict) -> list[str]:
     """One row per cost model and temperature, every batch in one cell, so the table stays one screen."""
-    out = [f"**Projection** (`{data['_file']}`; command `{data['command']}`): {data['note']}. Tokens/s per "
+    out = [f"**Projection** ({result_link(data['_file'])}; command `{data['command']}`): {data['note']}. Tokens/s per "
            "sequence; a batch above 1 repeats the trace's rows. Each cell lists batch "
            + " / ".join(str(b) for b in _batches(data)) + ".", "",
            "| cost model | T | vLLM AR | vLLM draft_model | Saguaro sync | SSD | SSD / sync | SSD hit rate |",
@@ -160,6 +172,6 @@ def section() -> list[str]:
     if projection is not None:
         out += projection_lines(projection)
     if deeper is not None:  # its table is in the result file; the page names it only
-        out += [f"The same projection from traces recorded with 8 drafts per row: `benchmarks/results/{deeper['_file']}`.",
+        out += [f"The same projection from traces recorded with 8 drafts per row: {result_link(deeper['_file'])}.",
                 ""]
     return out

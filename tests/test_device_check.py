@@ -100,7 +100,7 @@ def test_report_page_includes_the_section(tmp_path, monkeypatch):
     spec.loader.exec_module(report)
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     monkeypatch.setattr(report, "NOTES", tmp_path / "none.md")
-    assert "## GPU device check (issue 28 item 7)" in report.render([]) and "Not run yet" in report.render([])
+    assert "## GPU device check" in report.render([]) and "Not run yet" in report.render([])
 
 
 def test_gpu_plan_names_why_parts_cannot_run():

@@ -35,7 +35,7 @@ def test_newest_soak_measured_ssd_and_every_drafter():
 def test_benchmarks_section_shows_the_result_files_figures():
     text = "\n".join(report.soak_section(SOAK))
     s, m, sp = SOAK["summary"], SOAK["memory"], SOAK["speculation"]
-    assert f"result `benchmarks/results/{SOAK['_file']}`" in text
+    assert f"result [{SOAK['_file']}](../benchmarks/results/{SOAK['_file']})" in text
     assert f"| {s['requests']} | {SOAK['errors']} | {s['tokens_per_s']:.1f} |" in text
     assert f"speculation-cache hit rate {sp['cache_hit_rate']:.3f}" in text
     for w in (sp["hit_rate_windows"].get("before_kill"), sp["hit_rate_windows"].get("after_recovery")):
