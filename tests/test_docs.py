@@ -3,6 +3,7 @@ configs are valid."""
 from __future__ import annotations
 
 import json
+import re
 import pathlib
 
 import pytest
@@ -53,3 +54,78 @@ def test_type_column_reads_the_annotations():
     assert config_doc.type_text(fields["kv_cache_gb"].annotation) == 'float or `"auto"`'
     assert config_doc.type_text(fields["fanout"].annotation) == "list of int or null"
     assert config_doc.type_text(fields["cuda_graphs"].annotation) == 'bool or `"auto"`'
+
+
+# ------------------------------------------------------------------------- size and links of the user docs
+
+#: docs/*.md is what a user reads; developer reference lives in docs/dev/, lab notes in benchmarks/notes.md.
+USER_DOCS_MAX_BYTES = 150_000
+#: Markdown whose links must resolve: the README, every page under docs/, the benchmarks' README.
+LINKED_PAGES = ["README.md", "benchmarks/README.md",
+                *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").rglob("*.md")))]
+
+
+def test_user_docs_stay_small():
+    sizes = {p.name: p.stat().st_size for p in (ROOT / "docs").glob("*.md")}
+    total = sum(sizes.values())
+    assert total <= USER_DOCS_MAX_BYTES, (
+        f"docs/*.md hold {total} bytes, more than {USER_DOCS_MAX_BYTES}: move developer reference to docs/dev/ "
+        f"and lab notes to benchmarks/notes.md ({sorted(sizes.items(), key=lambda kv: -kv[1])})")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but `-` and `_` dropped, spaces to `-`."""
+    text = re.sub(r"[`*]", "", heading.strip()).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path: pathlib.Path) -> set[str]:
+    seen: dict[str, int] = {}
+    anchors = set()
+    in_code = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        m = None if in_code else re.match(r"#{1,6} (.+)", line)
+        if m:
+            slug = _slug(m.group(1))
+            n = seen.get(slug, 0)
+            anchors.add(slug if n == 0 else f"{slug}-{n}")
+            seen[slug] = n + 1
+    return anchors
+
+
+def _links(path: pathlib.Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+@pytest.mark.parametrize("page", LINKED_PAGES)
+def test_links_resolve(page):
+    """Every relative link of the page names a file of the checkout, and every `#anchor` a heading of it."""
+    source = ROOT / page
+    broken = []
+    for link in _links(source):
+        if re.match(r"[a-z]+:", link):
+            continue  # https:, mailto:
+        target, _, anchor = link.partition("#")
+        path = (source.parent / target).resolve() if target else source
+        if not path.exists():
+            broken.append(link)
+        elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+            broken.append(link)
+    assert not broken, f"{page}: links that lead nowhere: {broken}"
+
+
+def test_docs_named_in_code_exist():
+    """A `docs/....md` named in the package, scripts, benchmarks or tests is a file of the checkout."""
+    missing = set()
+    for pattern in ("saguaro_vllm/**/*.py", "scripts/*", "benchmarks/*.py", "benchmarks/*.sh", "tests/*.py",
+                    "pyproject.toml", "Makefile"):
+        for path in ROOT.glob(pattern):
+            if path.is_file():
+                for name in re.findall(r"\bdocs/[\w./-]*?\w\.md\b", path.read_text(errors="replace")):
+                    if not (ROOT / name).exists():
+                        missing.add(f"{path.relative_to(ROOT)}: {name}")
+    assert not missing, sorted(missing)
