@@ -148,6 +148,15 @@ def test_cost_regimes_section_reads_what_it_finds():
     assert "| 0.05 | 32000 | 1 | 0 | 11.00 [10.00-12.00] | 16.00 [15.00-17.00] | - | 1.45 (1.15) |" in text
 
 
+def test_cost_regimes_prefers_the_matrix_to_a_smoke_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    (tmp_path / "2027-01-01-regimes-smoke.json").write_text('{"note": "smoke"}')
+    assert report.load_regimes()["note"] == "smoke"  # only a smoke run: it is shown
+    (tmp_path / "2027-01-01-regimes-matrix.json").write_text('{"note": "matrix"}')
+    (tmp_path / "2027-01-02-regimes-smoke.json").write_text('{"note": "later smoke"}')
+    assert report.load_regimes()["note"] == "matrix"
+
+
 def test_sweep_report(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "IMG", tmp_path / "img")
     results = [_result("saguaro-async[k=5,budget=auto,C=%g]" % c, 1, 1.0, 10.0, hit_rate=h,
