@@ -38,6 +38,19 @@ def _parts(sizes: list[int], cap: int) -> list[list[int]]:
     return [p for p in parts if p]
 
 
+def glue_rows(done: int, seq_len: int, k: int, kept: int) -> tuple[int, int, bool]:
+    """What a request's glue forward computes: (`have`, `need`, `recompute`). `done`: tokens of its context +
+    `k` drafts (`seq_len` in all) the draft has KV for; `kept`: depth distributions kept from drafting them.
+    Depths `have`..k come from the forward (`need` logit rows); where neither kept nor recomputable from the
+    uncomputed tail, every depth is recomputed from the context (`recompute`: have 0, need k + 1). One rule
+    for the glue itself and for the parts it is split into."""
+    have = kept if kept >= k and done == seq_len - 1 else 0
+    need = min(seq_len - done, k + 1 - have)
+    if have + need < k + 1:
+        return 0, k + 1, True
+    return have, need, False
+
+
 class PreDrafter:
     def _predraft_rounds(self, req_ids: list[str]) -> Iterator[None]:
         """Generator: glue, then the branch steps, one forward per `next`; closing it caches the branches."""
@@ -173,9 +186,7 @@ class PreDrafter:
             k = len(sent.drafts)
             seq_len = len(st.context) + k
             done = min(self.runner.num_computed(rid) if self.runner.has_request(rid) else 0, seq_len - 1)
-            have = len(st.draft_logits) if len(st.draft_logits) >= k and done == seq_len - 1 else 0
-            need = min(seq_len - done, k + 1 - have)
-            out.append(need if have + need >= k + 1 else k + 1)
+            out.append(glue_rows(done, seq_len, k, len(st.draft_logits))[1])
         return out
 
     def _glue(self, req_ids: list[str], protect: set[str]) -> tuple[list[BranchRoot], list[torch.Tensor]]:
@@ -196,12 +207,10 @@ class PreDrafter:
             if done >= len(seq):  # a round of zero drafts on a fully computed context: recompute its last token
                 self.runner.truncate(rid, len(seq) - 1)
                 done = len(seq) - 1
-            have = len(st.draft_logits) if len(st.draft_logits) >= k and done == len(seq) - 1 else 0
-            need = min(len(seq) - done, k + 1 - have)  # depths have..k come from this forward
-            if have + need < k + 1:  # depth distributions neither kept nor recomputable: recompute all
+            have, need, recompute = glue_rows(done, len(seq), k, len(st.draft_logits))
+            if recompute:
                 self.runner.truncate(rid, max(0, sent.context_len - 1))
                 done = self.runner.num_computed(rid)
-                have, need = 0, k + 1
             if not self._reserve(rid, len(seq) - done, protect=protect):
                 continue  # no room for this request's pre-draft (its drafts are out already)
             chunks.append((rid, seq[done:], done))
