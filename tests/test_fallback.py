@@ -103,3 +103,17 @@ def test_switch_credits_steps_to_their_mode_and_fits_the_glue():
     switch.observe_glue(16, 0.04)
     assert switch.glue_s(8) == pytest.approx(0.02)
     assert switch.decide(None, None, None) is True  # nothing measured: pre-draft
+
+
+def test_predraft_expected_exactly_before_each_round_that_predrafts():
+    """`predraft_expected` (whether a round drafted as `sync` keeps its draft logits for the next glue) is
+    true before every round that pre-drafts (the probes included) and false before most fallback rounds."""
+    planner = _planner_with_costs(verify_s=0.058, forward_s=0.02, glue_s=0.1)
+    expected, modes = [], []
+    for _ in range(2 * (PROBE_EVERY + PROBE_ROUNDS)):
+        expected.append(planner.switch.predraft_expected())
+        modes += _run_rounds(planner, 1, lambda pre: (0.058, 0.1), glue_s=0.1)
+    assert any(modes[1:]), modes  # probes ran
+    assert all(e for e, m in zip(expected[1:], modes[1:]) if m), list(zip(expected, modes))
+    fallback = [e for e, m in zip(expected[1:], modes[1:]) if not m]
+    assert sum(fallback) <= 4 and len(fallback) > 20, fallback  # ahead of a probe only, not every round

@@ -120,6 +120,15 @@ class PreDraftSwitch:
             return not self.predrafting
         return self.predrafting
 
+    def predraft_expected(self) -> bool:
+        """Whether the next round is expected to pre-draft: the switch pre-drafts, a probe of pre-drafting
+        runs, or one is due. Rounds drafted as `sync` keep their draft logits (which spare the next glue the
+        K + 1 depth distributions per request) only then: kept where they go unused, they hold K forwards'
+        logits per step (at batch 64 and a 128k vocabulary ~160 MB, each step on fresh memory)."""
+        if self.predrafting or self._probe_left > 0:
+            return True
+        return self._since_probe + 1 >= PROBE_EVERY
+
     def _preferred(self, verify_s, glue_s, sync_rate_estimate) -> tuple[bool, str]:
         """The mode the measurements favour, and why."""
         if verify_s is None:
