@@ -10,7 +10,10 @@ draft at or below the asked ratio; ratio 1 is the draft itself as the target.
 Per (ratio, vocabulary) each engine (`sync`, `async`, vLLM `draft_model` with probabilistic drafts) runs
 in a fresh process (target on core 0, Saguaro's drafter on core 1; `draft_model` in the target's process),
 the engines interleaved, `--repeats` times; inside each process every (batch, T) cell generates once.
-Each cell reports tokens/s as a user sees them (generated tokens over the `generate` call's wall time),
+Each cell first runs once unmeasured (16 tokens: SSD's pre-draft switch meets the cell's batch and
+temperature there), then `generate` calls of `--max-tokens` per request until `--cell-s` seconds are
+measured (a single 48-token call lasts 0.1-0.5 s at batch 1: one scheduler hiccup would decide it).
+Each cell reports tokens/s as a user sees them (generated tokens over the `generate` calls' wall time),
 and for `async` the cache hit rate and the share of steps that followed a pre-draft (the rest were
 drafted as `sync` does: `vllm:saguaro_rounds{mode}`).
 
@@ -86,7 +89,7 @@ def run_engine(engine: str, target: Path, draft: Path, args: argparse.Namespace)
     """One engine in a fresh process over every (batch, T) cell."""
     request = {"engine": engine, "target": str(target), "spec": spec_config(engine, draft, args.k),
                "batches": args.batches, "temperatures": args.temperatures, "max_tokens": args.max_tokens,
-               "max_num_seqs": max(args.batches)}
+               "max_num_seqs": max(args.batches), "cell_s": args.cell_s}
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     with tempfile.TemporaryDirectory(prefix="saguaro-regimes-") as tmp:
@@ -136,8 +139,12 @@ def worker(req_path: str, out_path: str) -> None:
     results = []
     for batch in r["batches"]:
         for t in r["temperatures"]:
+            generate(batch, t, 16)  # the cell's shape once, unmeasured (SSD's switch meets it here first)
             before = counters()
-            wall = generate(batch, t, r["max_tokens"])
+            wall, calls = 0.0, 0
+            while calls == 0 or wall < r["cell_s"]:  # whole `generate` calls until the cell's time is reached
+                wall += generate(batch, t, r["max_tokens"])
+                calls += 1
             d = {k: v - before.get(k, 0) for k, v in counters().items()}
             lookups = sum(v for k, v in d.items() if k.startswith("vllm:saguaro_cache_lookups"))
             hits = sum(v for k, v in d.items() if k.startswith("vllm:saguaro_cache_hits"))
@@ -145,8 +152,8 @@ def worker(req_path: str, out_path: str) -> None:
             sync = d.get('vllm:saguaro_rounds_total{mode="sync"}', 0)
             drafted = d.get("vllm:spec_decode_num_draft_tokens", 0)
             results.append({
-                "engine": r["engine"], "batch": batch, "temperature": t, "wall_s": wall,
-                "tokens_per_s": batch * r["max_tokens"] / wall,
+                "engine": r["engine"], "batch": batch, "temperature": t, "wall_s": wall, "calls": calls,
+                "tokens_per_s": calls * batch * r["max_tokens"] / wall,
                 "acceptance": d.get("vllm:spec_decode_num_accepted_tokens", 0) / drafted if drafted else None,
                 "hit_rate": hits / lookups if lookups else None,
                 "predraft_share": pre / (pre + sync) if pre + sync else None,
@@ -207,7 +214,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--repeats", type=int, default=2, help="processes per engine and pair, interleaved")
     p.add_argument("--k", type=int, default=5)
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per request of each `generate` call")
+    p.add_argument("--cell-s", type=float, default=3.0,
+                   help="seconds each cell measures at least (whole `generate` calls; 0: one call)")
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument("--label", default="matrix", help="results file: <date>-regimes-<label>.json")
     p.add_argument("--note", default="", help="free text stored with the results and shown on the page")
@@ -246,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = {"name": f"regimes-{args.label}", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "machine": machine(), "seconds": round(time.time() - t0, 1),
-           "settings": {"k": args.k, "max_tokens": args.max_tokens, "prompt_len": PROMPT_LEN,
+           "settings": {"k": args.k, "max_tokens": args.max_tokens, "cell_s": args.cell_s, "prompt_len": PROMPT_LEN,
                         "repeats": args.repeats, "draft": f"hidden {DRAFT_HIDDEN}, {LAYERS} layers",
                         "placement": "target core 0, Saguaro's drafter core 1; draft_model in the target's process"},
            **({"note": args.note} if args.note else {}), **summarize(runs, args, pairs), "runs": runs}

@@ -838,8 +838,74 @@ def _spread(values, runs_said: bool = False) -> str:
         return "-"
     count = "" if runs_said else f" ({len(values)} run{'s' if len(values) > 1 else ''})"
     if len(values) == 1:
-        return f"{values[0]:.2f}{count}"
-    return f"{sum(values) / len(values):.2f} [{min(values):.2f}-{max(values):.2f}]{count}"
+        return f"{values[0]:.1f}{count}"
+    return f"{sum(values) / len(values):.1f} [{min(values):.0f}-{max(values):.0f}]{count}"
+
+
+def repeat_ratios(cell: dict, engine: str) -> list[float]:
+    """`engine` over `sync` per repeat of a regimes cell (the i-th run of each, interleaved in time)."""
+    e = cell.get("engines") or {}
+    mine, sync = (e.get(engine) or {}).get("tokens_per_s") or [], (e.get("sync") or {}).get("tokens_per_s") or []
+    return [a / s for a, s in zip(mine, sync) if s]
+
+
+def regimes_plot(data: dict) -> str | None:
+    """SSD / `sync` per cell (median and range over repeats) beside `draft_model` / `sync`, with both goals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [c for c in data.get("cells") or [] if repeat_ratios(c, "async")]
+    if not cells:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * len(cells)), 3.8))
+    for x, c in enumerate(cells):
+        for engine, colour, marker in (("async", "tab:green", "o"), ("draft_model", "tab:gray", "x")):
+            r = sorted(repeat_ratios(c, engine))
+            if r:
+                ax.errorbar([x], [r[len(r) // 2]], yerr=[[r[len(r) // 2] - r[0]], [r[-1] - r[len(r) // 2]]],
+                            color=colour, marker=marker, ms=4, capsize=2, lw=1,
+                            label=("SSD / sync" if engine == "async" else "draft_model / sync") if x == 0 else None)
+    goals = data.get("goals") or {}
+    for key, colour, style in (("floor", "tab:red", "--"), ("win", "tab:blue", ":")):
+        if goals.get(key):
+            where = f" ({goals['win_where']})" if key == "win" and goals.get("win_where") else ""
+            ax.axhline(goals[key], color=colour, lw=0.8, ls=style, label=f"{key} {goals[key]}{where}")
+    ax.set_xticks(range(len(cells)))
+    ax.set_xticklabels([f"r{c['ratio']:g} {c['vocab'] // 1000}k b{c['batch']} T{c['temperature']:g}" for c in cells],
+                       rotation=90, fontsize=6)
+    ax.set_ylabel("tokens/s over sync")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, loc="best")
+    fig.tight_layout()
+    IMG.mkdir(parents=True, exist_ok=True)
+    name = "regimes-over-sync.png"
+    fig.savefig(IMG / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+def regimes_misses(data: dict) -> list[str]:
+    """Each cell below its goal with what was measured there: SSD / `sync` per repeat (below the goal in every
+    repeat, or on both sides of it: not decided by these repeats), how far `sync`'s own runs spread, and how
+    often SSD pre-drafted and hit."""
+    out = []
+    for c in data.get("cells") or []:
+        if c.get("met", True):
+            continue
+        ratios = repeat_ratios(c, "async")
+        sync = [v for v in ((c.get("engines") or {}).get("sync") or {}).get("tokens_per_s") or [] if v]
+        ssd = (c.get("engines") or {}).get("async") or {}
+        verdict = ("no repeat with both engines" if not ratios else "below in every repeat"
+                   if max(ratios) < c["goal"] else "repeats on both sides: not decided")
+        out.append(f"- r{c['ratio']:g} {c['vocab'] // 1000}k b{c['batch']} T{c['temperature']:g}: "
+                   f"{' / '.join(f'{r:.2f}' for r in ratios)} (goal {c['goal']}), {verdict}; `sync` runs spread "
+                   + (f"{max(sync) / min(sync):.2f}x" if sync else "-")
+                   + f"; pre-drafted {fmt(ssd.get('predraft_share'), '.2f')}, hit rate {fmt(ssd.get('hit_rate'), '.2f')}")
+    return ["", f"Cells below their goal ({len(out)}; r: draft/target cost ratio, b: batch; SSD / `sync` per "
+                "repeat, `sync`'s fastest run over its slowest, the share of SSD's steps after a pre-draft, its hit "
+                "rate):", "", *out] if out else []
 
 
 def regimes_section(data: dict | None) -> list[str]:
@@ -883,6 +949,10 @@ def regimes_section(data: dict | None) -> list[str]:
                    f"| {fmt(ssd.get('hit_rate'), '.3f')} | {fmt(ssd.get('predraft_share'), '.2f')} |")
     if data.get("goals"):
         out += ["", f"Goals: `{json.dumps(data['goals'])}`"]
+    out += regimes_misses(data)
+    img = regimes_plot(data)
+    if img:
+        out += ["", f"![SSD and draft_model over sync per cell, median and range over repeats](img/{img})"]
     return out + [""]
 
 

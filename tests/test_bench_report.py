@@ -125,7 +125,8 @@ def test_readme_figures_are_current():
     assert stated is None or f"code {stated.group(1)};" in block, "README: the code named after the figures"
 
 
-def test_cost_regimes_section_reads_what_it_finds():
+def test_cost_regimes_section_reads_what_it_finds(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "IMG", tmp_path / "img")
     assert "No result yet" in "\n".join(report.regimes_section(None))
     data = {"_file": "2027-01-01-regimes.json", "machine": {"cpu": "x", "cpus": 2}, "date": "2027-01-01T00:00",
             "settings": {"k": 5}, "cells": [
@@ -137,15 +138,30 @@ def test_cost_regimes_section_reads_what_it_finds():
                  "met": False, "engines": {}},
                 {"ratio": 0.5, "batch": 4, "engines": {}}]}
     text = "\n".join(report.regimes_section(data))
-    assert ("| 0.05 | 32000 | 1 | 0 | 11.00 [10.00-12.00] (2 runs) | 16.00 [15.00-17.00] (3 runs) | - | 1.45 (1.15) "
+    assert ("| 0.05 | 32000 | 1 | 0 | 11.0 [10-12] (2 runs) | 16.0 [15-17] (3 runs) | - | 1.45 (1.15) "
             "| 0.910 | 0.40 |") in text
     assert "| 0.90 (0.97, missed) |" in text
+    assert "Cells below their goal (1;" in text and "- r1 32k b16 T1: " in text and "no repeat with both" in text
+    assert (tmp_path / "img" / "regimes-over-sync.png").exists()  # SSD / sync per repeat, plotted
     assert "| 0.5 | - | 4 | - | - | - | - | - (-) | - | - |" in text
     same = data | {"cells": data["cells"][:1]}  # every engine ran alike: the count once, in the header
     same["cells"][0]["engines"]["sync"]["tokens_per_s"] = [10.0, 11.0, 12.0]
     text = "\n".join(report.regimes_section(same))
     assert "Tokens/s per engine and cell: mean [min-max] of 3 runs." in text
-    assert "| 0.05 | 32000 | 1 | 0 | 11.00 [10.00-12.00] | 16.00 [15.00-17.00] | - | 1.45 (1.15) |" in text
+    assert "| 0.05 | 32000 | 1 | 0 | 11.0 [10-12] | 16.0 [15-17] | - | 1.45 (1.15) |" in text
+
+
+def test_cost_regimes_misses_say_whether_the_repeats_decide(tmp_path, monkeypatch):
+    """A cell below its goal in every repeat is a miss; one whose repeats lie on both sides is undecided."""
+    monkeypatch.setattr(report, "IMG", tmp_path / "img")
+    cell = {"ratio": 1.0, "vocab": 128256, "batch": 64, "temperature": 0, "goal": 0.97, "met": False,
+            "engines": {"sync": {"tokens_per_s": [100.0, 110.0]}, "async": {"tokens_per_s": [80.0, 99.0],
+                                                                        "hit_rate": 0.0, "predraft_share": 0.1}}}
+    text = "\n".join(report.regimes_misses({"cells": [cell]}))
+    assert "- r1 128k b64 T0: 0.80 / 0.90 (goal 0.97), below in every repeat; `sync` runs spread 1.10x" in text
+    cell["engines"]["async"]["tokens_per_s"] = [80.0, 120.0]
+    assert "repeats on both sides: not decided" in "\n".join(report.regimes_misses({"cells": [cell]}))
+    assert report.regimes_misses({"cells": [cell | {"met": True}]}) == []
 
 
 def test_cost_regimes_prefers_the_matrix_to_a_smoke_run(tmp_path, monkeypatch):
