@@ -65,17 +65,25 @@ def test_endpoint_form():
 
 
 # ---- the link -------------------------------------------------------------------------------------------------
-@pytest.fixture
-def drafter_end():
-    """A drafter's end: the bound CURVE server socket with the ZAP handler the remote drafter runs."""
+@pytest.fixture(scope="module")
+def zap():
+    """The ZAP handler the remote drafter runs (one per process: ZeroMQ has one ZAP endpoint per context)."""
     from saguaro_vllm.drafter.remote_server import _authenticator
 
     keys = curve_keys(SECRET, server=True)
-    chan = Channel("tcp://127.0.0.1:*", bind=True, accepts=ToRemoteDrafter, curve=keys)  # a free port
-    port = int(chan.sock.last_endpoint.decode().rsplit(":", 1)[1])
+    chan = Channel("tcp://127.0.0.1:*", bind=True, accepts=ToRemoteDrafter, curve=keys)
     auth = _authenticator(chan.ctx, keys.peer_public)
-    yield port, chan
+    chan.close()
+    yield
     auth.stop()
+
+
+@pytest.fixture
+def drafter_end(zap):
+    """A drafter's end: the bound CURVE server socket, on a free port, closed after each test (as the drafter
+    closes it after a message failed authentication: libzmq leaves that connection stuck)."""
+    chan = Channel("tcp://127.0.0.1:*", bind=True, accepts=ToRemoteDrafter, curve=curve_keys(SECRET, server=True))
+    yield int(chan.sock.last_endpoint.decode().rsplit(":", 1)[1]), chan
     chan.close()
 
 

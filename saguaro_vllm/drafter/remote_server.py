@@ -34,7 +34,9 @@ from saguaro_vllm.shared.transport import Channel, Failed, Hello, MessageRejecte
     StepResponse, ToRemoteDrafter
 
 logger = logging.getLogger("saguaro_vllm.drafter")
-IDLE_POLL_S = 1.0
+IDLE_POLL_S = 0.5
+#: A CURVE failure not followed by a disconnect within this long was a message failing on a live connection.
+WEDGED_S = 1.0
 
 
 class ClockMap:
@@ -94,10 +96,12 @@ class RemoteDrafter:
         self.cfg = cfg
         self.loaded = server.load_draft(cfg)
         self.vocab = self.loaded["model"].config.vocab_size
-        self.chan = Channel(listen, bind=True, accepts=ToRemoteDrafter, curve=curve_keys(secret, server=True))
-        self.auth = _authenticator(self.chan.ctx, curve_keys(secret, server=True).peer_public)
+        self.keys = curve_keys(secret, server=True)
+        self.chan = Channel(listen, bind=True, accepts=ToRemoteDrafter, curve=self.keys)
+        self.auth = _authenticator(self.chan.ctx, self.keys.peer_public)
         self.session: Session | None = None
         self.refusing = False
+        self.wedged_at: float | None = None
         self.fail_file = os.environ.get(server.FAIL_FILE_ENV)
 
     # ---- sessions ---------------------------------------------------------------------------------------------
@@ -138,10 +142,13 @@ class RemoteDrafter:
             torch.cuda.empty_cache()
 
     def _watch(self) -> None:
-        """Connection events: one log line per change (a run of refused handshakes is one line)."""
+        """Connection events: one log line per change (a run of refused handshakes is one line). A worker's
+        leaving needs no event: the next worker's Hello ends its session."""
         import zmq
 
         for event in self.chan.events():
+            if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and self.wedged_at is None:
+                self.wedged_at = time.monotonic()  # cleared by the refused connection's close, if it was one
             if event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
                          zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
                 if not self.refusing:
@@ -151,8 +158,21 @@ class RemoteDrafter:
                 self.refusing = True
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.refusing = False
-            elif event == zmq.EVENT_DISCONNECTED and self.session is not None:
-                self._end("the worker's connection closed")
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.wedged_at = None
+        if self.wedged_at is not None and time.monotonic() - self.wedged_at > WEDGED_S:
+            self._rebind()
+
+    def _rebind(self) -> None:
+        """A message failed its CURVE authenticator on an established connection (altered on the way): libzmq
+        4.3.5 drops it but leaves that connection's input stuck, and asserts later; a new socket ends it (the
+        worker sees its connection closed and reconnects)."""
+        logger.error("a message from the worker failed authentication (altered on the way?): closing the "
+                     "connection and listening anew")
+        self._end("the connection was closed")
+        self.chan.close()
+        self.chan = Channel(self.cfg["listen"], bind=True, accepts=ToRemoteDrafter, curve=self.keys)
+        self.wedged_at = None
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def serve(self) -> int:
