@@ -29,7 +29,7 @@ def start(pidfile: str, log: str, port: int, secret_file: str, draft: str, timeo
            "--saguaro", json.dumps(HOST_OPTIONS)]
     with open(log, "a") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_every_core)
     Path(pidfile).write_text(str(proc.pid))
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -39,6 +39,12 @@ def start(pidfile: str, log: str, port: int, secret_file: str, draft: str, timeo
             return proc.pid
         time.sleep(0.2)
     raise TimeoutError(f"the drafter did not listen within {timeout_s} s:\n{Path(log).read_text()[-3000:]}")
+
+
+def _every_core() -> None:
+    """Started from the engine's process, the drafter would inherit the target's cores: as on its own host,
+    it may use every core (it pins itself to HOST_OPTIONS' draft_cores)."""
+    os.sched_setaffinity(0, range(os.cpu_count()))
 
 
 def kill(pidfile: str) -> None:

@@ -30,8 +30,15 @@ GREEDY = [[1, 7, 3, 12, 5], [4, 4, 9, 2], [11, 3, 8, 8, 1, 6], [2, 19, 5], [7, 7
 GREEDY_PARAMS = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
 T1 = Job("t1", [list(PROMPT)] * N, {"temperature": 1.0, "max_tokens": 5, "ignore_eos": True})
 CONTROL = [sys.executable, str(Path(remote_drafters.__file__).resolve())]
-#: Longer than the reconnect backoff's cap (remote_client.RECONNECT_MAX_BACKOFF_S): the next step connects.
+#: Longer than the reconnect backoff's cap (remote_client.RECONNECT_MAX_BACKOFF_S) and ZeroMQ's connect retry
+#: (transport.RECONNECT_IVL_MAX_MS): by the next job the worker has tried the new drafter (in ZeroMQ's I/O
+#: thread while the engine idles) or reconnects at its first step.
 BACKOFF_WAIT_S = "6"
+
+
+def _then(*commands: list[str]) -> list[str]:
+    """One command running `commands` in turn (a job has one `before`)."""
+    return ["sh", "-c", " && ".join(" ".join(c) for c in commands)]
 
 
 def _free_port() -> int:
@@ -73,10 +80,11 @@ def remote(setup):
                         "drafter_secret_file": setup["secret"], "target_cores": [0]}}
     jobs = [Job("greedy", GREEDY, GREEDY_PARAMS), T1,
             Job("killed", GREEDY, GREEDY_PARAMS, sequential=True, before=CONTROL + ["kill", pidfile]),
-            Job("wrong", GREEDY, GREEDY_PARAMS, sequential=True, before=start("wrong", setup["wrong"])),
+            Job("wrong", GREEDY, GREEDY_PARAMS, sequential=True,
+                before=_then(start("wrong", setup["wrong"]), CONTROL + ["sleep", BACKOFF_WAIT_S])),
             Job("restarted", GREEDY + GREEDY, GREEDY_PARAMS, sequential=True,
-                before=["sh", "-c", " ".join(CONTROL + ["kill", pidfile]) + " && " + " ".join(start("restarted",
-                        setup["secret"])) + " && " + " ".join(CONTROL + ["sleep", BACKOFF_WAIT_S])])]
+                before=_then(CONTROL + ["kill", pidfile], start("restarted", setup["secret"]),
+                             CONTROL + ["sleep", BACKOFF_WAIT_S]))]
     engine_log = root / "engine.log"
     try:
         runs = run_engine(setup["target"], jobs, speculative_config=spec,
