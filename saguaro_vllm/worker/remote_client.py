@@ -180,11 +180,3 @@ class RemoteDrafterClient(DrafterClient):
         self.ring.publish(slot)
         resp.probs_slot, resp.probs_rows, resp.probs = slot, rows, {}
 
-
-def make_client(cfg: dict, logger, metrics=None, vocab_size: int | None = None,
-                ring: ProposalRing | None = None) -> DrafterClient:
-    """A local drafter process's client, or a remote drafter's (`saguaro.drafter_endpoint`)."""
-    if cfg["saguaro"].get("drafter_endpoint"):
-        return RemoteDrafterClient(cfg, logger, metrics=metrics, vocab_size=vocab_size, ring=ring)
-    return DrafterClient(cfg, logger, metrics=metrics, vocab_size=vocab_size)
-
