@@ -38,6 +38,9 @@ class Job:
     prompts: list[Any]
     params: dict[str, Any] | list[dict[str, Any]]  # one for all prompts, or one per prompt
     sequential: bool = False
+    #: A command run (to completion) in the engine's process before the job starts, e.g. to stop or start a
+    #: remote drafter between two jobs of one engine.
+    before: list[str] | None = None
 
 
 @dataclasses.dataclass
@@ -65,7 +68,9 @@ class JobResult:
 
 def run_engine(model: str, jobs: list[Job], *, speculative_config: dict | None = None,
                engine_kwargs: dict | None = None, env: dict | None = None,
-               timeout_s: float = 600.0) -> dict[str, JobResult]:
+               timeout_s: float = 600.0, log_path: Path | None = None) -> dict[str, JobResult]:
+    """`log_path`: also keep the engine's log there (it is otherwise only shown when the engine fails)."""
+    keep_log = log_path
     request = {"model": str(model), "speculative_config": speculative_config,
                "engine_kwargs": {**ENGINE_DEFAULTS, **(engine_kwargs or {})},
                "jobs": [dataclasses.asdict(j) for j in jobs]}
@@ -76,6 +81,8 @@ def run_engine(model: str, jobs: list[Job], *, speculative_config: dict | None =
             proc = subprocess.run([sys.executable, __file__, str(req_path), str(out_path)],
                                   env={**ENV_DEFAULTS, **os.environ, **(env or {})}, check=False,
                                   stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+        if keep_log is not None:
+            Path(keep_log).write_text(log_path.read_text())
         if proc.returncode != 0 or not out_path.exists():
             raise EngineRunError(proc.returncode, log_path.read_text()[-8000:])
         result = json.loads(out_path.read_text())
@@ -102,6 +109,8 @@ def _main(request: dict[str, Any]) -> dict[str, Any]:
               **request["engine_kwargs"])
     results: dict[str, Any] = {}
     for job in request["jobs"]:
+        if job.get("before"):
+            subprocess.run(job["before"], check=True, timeout=300)
         before = _spec_counters(llm.get_metrics())
         hits_before = _prefix_cache_hits(llm.get_metrics())
         before_saguaro = saguaro_samples()

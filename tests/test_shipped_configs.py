@@ -43,9 +43,39 @@ LAYOUTS = {
 }
 
 
+#: Configs whose drafter runs on another host (docs/layouts-remote.md): resolved without a local draft.
+REMOTE = {"remote-drafter.json"}
+
+
 def test_every_shipped_gpu_config_has_a_layout():
-    gpu = {p.name for p in (ROOT / "configs").glob("*.json")} - {"saguaro-cpu-demo.json"}
+    gpu = {p.name for p in (ROOT / "configs").glob("*.json")} - {"saguaro-cpu-demo.json"} - REMOTE
     assert gpu == set(LAYOUTS)
+
+
+@pytest.mark.parametrize("name", sorted(REMOTE))
+def test_remote_config_resolves_with_its_secret(name, tmp_path):
+    """A remote drafter's config resolves with no draft on this host, once its secret file exists and is
+    private; until then the front end refuses it, naming the field and the fix."""
+    from saguaro_vllm.frontend.remote import resolve_remote
+
+    raw = json.loads((ROOT / "configs" / name).read_text())
+    target = types.SimpleNamespace(model="meta-llama/Llama-3.1-8B-Instruct", dtype=torch.bfloat16,
+                                   max_model_len=8192, get_vocab_size=lambda: 128256)
+    cfg = parse_speculative_config(raw)[0]
+    with pytest.raises(SaguaroConfigError, match=r"speculative_config\.saguaro\.drafter_secret_file: cannot read"):
+        resolve_remote(cfg, target, tp_size=1, is_cpu_platform=False, max_num_seqs=256)
+    secret = tmp_path / "drafter.secret"
+    secret.write_text("a-secret-of-at-least-16-bytes\n")
+    secret.chmod(0o644)
+    raw["saguaro"]["drafter_secret_file"] = str(secret)
+    cfg = parse_speculative_config(raw)[0]
+    with pytest.raises(SaguaroConfigError, match="chmod 600"):
+        resolve_remote(cfg, target, tp_size=1, is_cpu_platform=False, max_num_seqs=256)
+    secret.chmod(0o600)
+    got = resolve_remote(cfg, target, tp_size=1, is_cpu_platform=False, max_num_seqs=256)
+    assert got["saguaro"]["drafter_endpoint"] == raw["saguaro"]["drafter_endpoint"]
+    assert got["device"].startswith("remote tcp://") and got["vocab_size"] == 128256
+    assert got["saguaro"]["proposal_transport"] == "host" and got["draft_cores"] == []
 
 
 def _resolve(name: str, gpus: int, tmp_path, monkeypatch) -> dict:

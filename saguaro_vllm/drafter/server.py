@@ -84,10 +84,26 @@ def place_process(cfg: dict) -> None:
 
 def build_drafter(cfg: dict):
     """The draft model, its paged KV cache and the drafting engine for `cfg` (the resolved config)."""
-    from saguaro_vllm.drafter.kv_cache import KVCacheConfig, kv_budget_bytes, num_blocks_for_budget
+    return make_drafter(load_draft(cfg), cfg)
+
+
+def load_draft(cfg: dict) -> dict:
+    """The draft model with its linear kernels installed and warmed (what outlives a remote drafter's
+    sessions): {"model", "linear", "warmed_rows", "warm_s"}."""
     from saguaro_vllm.drafter.model.linear_kernels import (install_linear_kernel, resolve_linear,
                                                           warm_linear_kernels)
     from saguaro_vllm.drafter.model.loader import load_draft_model
+
+    model = load_draft_model(cfg["draft_path"], dtype=_dtype(cfg["dtype"]), device=cfg["device"])
+    linear = resolve_linear(cfg["saguaro"].get("linear", "auto"), cfg["device"], cfg["dtype"])
+    install_linear_kernel(model, linear)
+    warmed_rows, warm_s = warm_linear_kernels(model, cfg["saguaro"]["max_tokens_per_forward"])
+    return {"model": model, "linear": linear, "warmed_rows": warmed_rows, "warm_s": warm_s}
+
+
+def make_drafter(loaded: dict, cfg: dict):
+    """The paged KV cache, runner and drafting engine around a loaded draft, for `cfg`: (drafter, info)."""
+    from saguaro_vllm.drafter.kv_cache import KVCacheConfig, kv_budget_bytes, num_blocks_for_budget
     from saguaro_vllm.drafter.runner import DraftModelRunner
     from saguaro_vllm.drafter.ssd_drafter import SSDDrafter
     from saguaro_vllm.drafter.static_forward import resolve_cuda_graphs
@@ -96,10 +112,8 @@ def build_drafter(cfg: dict):
     from saguaro_vllm.ops import loader as ops_loader
 
     dtype = _dtype(cfg["dtype"])
-    model = load_draft_model(cfg["draft_path"], dtype=dtype, device=cfg["device"])
-    linear = resolve_linear(cfg["saguaro"].get("linear", "auto"), cfg["device"], cfg["dtype"])
-    install_linear_kernel(model, linear)
-    warmed_rows, warm_s = warm_linear_kernels(model, cfg["saguaro"]["max_tokens_per_forward"])
+    model, linear = loaded["model"], loaded["linear"]
+    warmed_rows, warm_s = loaded["warmed_rows"], loaded["warm_s"]
     mc = model.config
     block_size = cfg["saguaro"]["block_size"]
     # "auto" on a GPU of its own: a share of the memory left free once the draft is loaded (kv_cache.py)
@@ -289,19 +303,9 @@ def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
                 continue
             if isinstance(msg, Shutdown):
                 return 0
-            try:
-                if fail_file and os.path.exists(fail_file):
-                    _injected_failure(fail_file)
-                resp = drafter.step(msg)
-            except Exception as err:
-                if device_unusable(err):
-                    return _exit_on_device_error(chan, msg, err)
-                resp = _reply_error(drafter, msg, err, first=not failing)
-                failing += 1
-            else:
-                if failing:
-                    logger.info("drafter steps succeed again after %d failed ones", failing)
-                failing = 0
+            resp, failing, fatal = answer_step(drafter, msg, failing, fail_file)
+            if fatal is not None:
+                return _exit_on_device_error(chan, msg, fatal)
             chan.send(resp, wait_s=REPLY_WAIT_S)
             drafter.answered()
     finally:
@@ -309,6 +313,22 @@ def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
         if trace is not None:
             trace.close()
         chan.close()
+
+
+def answer_step(drafter, msg: StepRequest, failing: int, fail_file: str | None):
+    """(the reply to `msg`, consecutive failed steps after it, None), or (None, failing, the error) when the
+    step left the device unusable: the caller answers and exits (`_exit_on_device_error`)."""
+    try:
+        if fail_file and os.path.exists(fail_file):
+            _injected_failure(fail_file)
+        resp = drafter.step(msg)
+    except Exception as err:
+        if device_unusable(err):
+            return None, failing, err
+        return _reply_error(drafter, msg, err, first=not failing), failing + 1, None
+    if failing:
+        logger.info("drafter steps succeed again after %d failed ones", failing)
+    return resp, 0, None
 
 
 def _injected_failure(fail_file: str) -> None:

@@ -24,6 +24,12 @@ MAX_SPECULATIVE_TOKENS = 32
 ASYNC_ONLY = ("fanout", "fanout_budget", "max_fanout_budget", "miss_fanout", "backup", "finish_predraft",
               "fallback", "sampling_scale", "sampling_scale_tokens", "depth")
 
+#: Options of the drafter process itself: with `drafter_endpoint` the drafter runs on another host and takes
+#: them on its own command line (`saguaro-vllm drafter --saguaro '{...}'`), so giving one here is an error.
+DRAFTER_HOST_ONLY = ("device", "draft_cores", "share_cores", "dtype", "linear", "block_size", "kv_cache_gb",
+                     "proposal_transport", "max_tokens_per_forward", "cuda_graphs", "startup_timeout_s",
+                     "max_restarts", "trace_dir", "trace_max_mb")
+
 
 class SaguaroConfigError(ValueError):
     """A bad Saguaro speculative config; the message names the field and the fix."""
@@ -220,6 +226,24 @@ class SaguaroOptions(BaseModel):
         "temperature. Output stays exact for any C.",
     )
 
+    drafter_endpoint: str | None = Field(
+        None,
+        description="A drafter on another host: `tcp://HOST:PORT` where `saguaro-vllm drafter --listen "
+        "tcp://HOST:PORT --model DRAFT` serves ([layouts-remote.md](layouts-remote.md)). The worker connects "
+        "instead of starting a drafter process: the link is authenticated and encrypted with CurveZMQ keys "
+        "derived from a shared secret (`drafter_secret_file`), sampled rows' probabilities travel over it "
+        "(K x vocab x 4 bytes per sampled row and step), a lost connection means no drafts (vLLM decodes "
+        "normally) and reconnects every 0.5 s doubling to 5 s, without a limit. The drafter host's options "
+        "(device, cores, dtype, KV cache, linear, CUDA graphs, trace) are given to `saguaro-vllm drafter`, "
+        "and are errors here; `model` names the draft for the logs only (the drafter refuses a target of "
+        "another vocabulary). Default: a local drafter process.",
+    )
+    drafter_secret_file: str | None = Field(
+        None,
+        description="With `drafter_endpoint`: a file holding the secret shared with the remote drafter (at "
+        "least 16 bytes; readable by its owner only, mode 600: otherwise an error). Default: the "
+        "environment variable `SAGUARO_DRAFTER_SECRET`; one of the two is required.",
+    )
     trace_dir: str | None = Field(
         None,
         description="Directory for the drafter's replay trace (off when null; both modes): per step and row "
@@ -315,6 +339,20 @@ class SaguaroOptions(BaseModel):
             raise ValueError("must be >= 16")
         return v
 
+    @field_validator("drafter_endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None:
+            from saguaro_vllm.shared.transport import tcp_endpoint
+
+            try:
+                tcp_endpoint(v)
+            except ValueError:
+                raise ValueError("must be a tcp://HOST:PORT endpoint (e.g. tcp://10.0.0.5:5601: a host name or "
+                                 "an IP address, and a port 1-65535) where `saguaro-vllm drafter --listen` "
+                                 "serves") from None
+        return v
+
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
@@ -378,6 +416,7 @@ class SaguaroConfig(BaseModel):
                         f"saguaro.{name}: only used with mode 'async' (SSD), but mode is 'sync'; set "
                         f"saguaro.mode to 'async', or remove {name}"
                     )
+        self._remote()
         k = self.num_speculative_tokens
         for name in ("fanout", "miss_fanout"):
             value = getattr(opts, name)
@@ -402,6 +441,20 @@ class SaguaroConfig(BaseModel):
                              "sampling is off at 1); set sampling_scale below 1 (or \"auto\") or remove "
                              "sampling_scale_tokens")
         return self
+
+    def _remote(self) -> None:
+        """A remote drafter (`drafter_endpoint`) takes its host's options on its own command line."""
+        opts, given = self.saguaro, self.saguaro.model_fields_set
+        if opts.drafter_endpoint is None:
+            if "drafter_secret_file" in given:
+                raise ValueError("saguaro.drafter_secret_file: only used with saguaro.drafter_endpoint (a drafter "
+                                 "on another host); set drafter_endpoint or remove drafter_secret_file")
+            return
+        for name in DRAFTER_HOST_ONLY:
+            if name in given:
+                raise ValueError(f"saguaro.{name}: configures the drafter process, which runs on another host with "
+                                 f"saguaro.drafter_endpoint; give it to that host's `saguaro-vllm drafter "
+                                 f"--saguaro '{{\"{name}\": ...}}'` and remove it here")
 
 
 #: Readable types for pydantic's type errors: "must be <this>".

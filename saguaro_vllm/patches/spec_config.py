@@ -39,17 +39,25 @@ def wrap_create_speculative_config(original):
         from saguaro_vllm.frontend.resolve import resolve_for_engine
 
         cfg, passed_through = parse_speculative_config(raw)
-        resolved = resolve_for_engine(
-            cfg,
-            target_model_config,
-            tp_size=target_parallel_config.tensor_parallel_size,
-            pp_size=target_parallel_config.pipeline_parallel_size,
-            is_cpu_platform=current_platform.is_cpu(),
-            max_num_seqs=_max_num_seqs_bound(self, target_parallel_config),
-            use_ray=_uses_ray(self, target_parallel_config),
-            download_dir=getattr(self, "download_dir", None),
-        )
-        _check_lengths(resolved, target_model_config)
+        if cfg.saguaro.drafter_endpoint:  # a drafter on another host: no local draft to check
+            from saguaro_vllm.frontend.remote import resolve_remote
+
+            resolved = resolve_remote(
+                cfg, target_model_config, tp_size=target_parallel_config.tensor_parallel_size,
+                is_cpu_platform=current_platform.is_cpu(), pp_size=target_parallel_config.pipeline_parallel_size,
+                max_num_seqs=_max_num_seqs_bound(self, target_parallel_config))
+        else:
+            resolved = resolve_for_engine(
+                cfg,
+                target_model_config,
+                tp_size=target_parallel_config.tensor_parallel_size,
+                pp_size=target_parallel_config.pipeline_parallel_size,
+                is_cpu_platform=current_platform.is_cpu(),
+                max_num_seqs=_max_num_seqs_bound(self, target_parallel_config),
+                use_ray=_uses_ray(self, target_parallel_config),
+                download_dir=getattr(self, "download_dir", None),
+            )
+            _check_lengths(resolved, target_model_config)
         if self.additional_config is None:
             self.additional_config = {}
         self.additional_config[ADDITIONAL_CONFIG_KEY] = resolved

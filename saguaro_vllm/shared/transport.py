@@ -1,7 +1,8 @@
 """Messages between the proposer (in vLLM's worker) and the drafter process, and the socket they travel on.
 
-One ZeroMQ PAIR socket over a local `ipc://` endpoint in a 0700 directory (never TCP): messages arrive in
-order, so the drafter's view of each request's context always equals what the proposer sent. Messages are
+One ZeroMQ PAIR socket over a local `ipc://` endpoint in a 0700 directory, or over `tcp://` to a drafter on
+another host (CurveZMQ with keys derived from a shared secret, `secret.py`; never TCP without it): messages
+arrive in order, so the drafter's view of each request's context always equals what the proposer sent. Messages are
 typed `msgspec` structs (as vLLM's own engine-core IPC), tagged so that one decoder per direction accepts
 exactly the message types of that direction and rejects anything else. NumPy arrays (the proposal
 probabilities) travel as raw frames after the msgpack header, described there by dtype and shape, so they
@@ -123,10 +124,25 @@ class StepResponse(msgspec.Struct, tag="reply", forbid_unknown_fields=True):
 class Ready(msgspec.Struct, tag="ready", forbid_unknown_fields=True):
     pid: int
     info: dict[str, Any]
+    session: str = ""  # a remote drafter: the `Hello.session` this answers
 
 
 class Failed(msgspec.Struct, tag="failed", forbid_unknown_fields=True):
     error: str
+
+
+class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
+    """A worker's first message to a remote drafter on a new connection: what the drafter must draft for
+    (its vocabulary is checked against the draft's), and the proposal ring's shape, which the drafter mirrors
+    locally. `session` comes back in `Ready`, so a worker never takes an older connection's Ready for this
+    one. `config`: the worker's resolved `saguaro` options that shape drafting (mode, fan-out ...)."""
+
+    session: Annotated[str, msgspec.Meta(max_length=64)]
+    vocab_size: Annotated[int, msgspec.Meta(ge=1)]
+    num_speculative_tokens: Annotated[int, msgspec.Meta(ge=1, le=64)]
+    max_model_len: int | None
+    ring_rows: NonNegInt
+    config: dict[str, Any]
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", forbid_unknown_fields=True):
@@ -135,6 +151,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", forbid_unknown_fields=True):
 
 #: What the drafter may receive, and what the proposer may receive.
 ToDrafter = Union[StepRequest, Shutdown]
+ToRemoteDrafter = Union[StepRequest, Shutdown, Hello]
 ToProposer = Union[StepResponse, Ready, Failed]
 
 
@@ -320,14 +337,38 @@ def endpoint_dir(endpoint: str) -> str:
     return os.path.dirname(endpoint_path(endpoint))
 
 
+#: ZeroMQ heartbeats on a TCP link: a peer that vanished without closing its connection (a host that lost
+#: power, a cut cable) is dropped after HEARTBEAT_TIMEOUT_MS, so its end sees the disconnect and a drafter's
+#: PAIR socket is free for the next worker. Pings travel on ZeroMQ's I/O thread, also while the drafter computes.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
+#: How often ZeroMQ retries a TCP connect to a drafter that is not listening: 100 ms, doubling to this.
+RECONNECT_IVL_MAX_MS = 2000
+
+
+def tcp_endpoint(endpoint: str, field: str = "saguaro.drafter_endpoint") -> tuple[str, int]:
+    """(host, port) of a `tcp://HOST:PORT` endpoint; ValueError naming `field` and the fix otherwise."""
+    m = re.fullmatch(r"tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", endpoint or "")
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        raise ValueError(f"{field}: {endpoint!r} is not a tcp://HOST:PORT endpoint (e.g. tcp://10.0.0.5:5601; "
+                         "a host name or an IP address and a port 1-65535)")
+    return m.group(1), int(m.group(2))
+
+
 class Channel:
     """A PAIR socket carrying typed messages. Sends never block; receives are size-checked and typed.
 
-    `accepts` is the union of message types this end may receive (`ToDrafter` or `ToProposer`)."""
+    `accepts` is the union of message types this end may receive (`ToDrafter` or `ToProposer`). A local
+    `ipc://` endpoint needs no keys; a `tcp://` one needs `curve` (`secret.curve_keys`: the drafter, which
+    binds, is the CURVE server) and has heartbeats and a monitor (`events`)."""
 
-    def __init__(self, endpoint: str, bind: bool, accepts: Any, max_bytes: int = DEFAULT_MAX_BYTES):
-        if not endpoint.startswith("ipc://"):
-            raise ValueError(f"drafter endpoint must be local ipc://, got {endpoint!r}")
+    def __init__(self, endpoint: str, bind: bool, accepts: Any, max_bytes: int = DEFAULT_MAX_BYTES,
+                 curve=None):
+        remote = endpoint.startswith("tcp://")
+        if not endpoint.startswith("ipc://") and not remote:
+            raise ValueError(f"drafter endpoint must be ipc:// (local) or tcp:// (remote), got {endpoint!r}")
+        if remote and curve is None:
+            raise ValueError("a tcp:// drafter link needs CURVE keys from the shared secret (secret.curve_keys)")
         if zmq is None:
             raise ImportError("pyzmq is not installed: the drafter socket (transport.Channel) needs it")
         self.max_bytes = max_bytes
@@ -336,16 +377,45 @@ class Channel:
         self.sock = self.ctx.socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.monitor = None
+        if remote:
+            self._secure(curve, bind)
         (self.sock.bind if bind else self.sock.connect)(endpoint)
 
-    def send(self, msg, wait_s: float = 0.0) -> bool:
+    def _secure(self, curve, server: bool) -> None:
+        if not zmq.has("curve"):
+            raise RuntimeError("the installed libzmq has no CURVE support (zmq.has('curve') is False): a remote "
+                               "drafter link cannot be authenticated; install pyzmq's wheel, which bundles it")
+        self.sock.curve_publickey, self.sock.curve_secretkey = curve.public, curve.secret
+        if server:
+            self.sock.curve_server = True
+            self.sock.zap_domain = b"saguaro"  # the drafter's ZAP handler admits the worker key only
+        else:
+            self.sock.curve_serverkey = curve.peer_public
+            self.sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a drafter that is not connected
+            self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self.monitor = self.sock.get_monitor_socket()
+
+    def events(self) -> list[int]:
+        """The connection events (`zmq.EVENT_*`) since the last call, without waiting (tcp:// only)."""
+        out = []
+        while self.monitor is not None and self.monitor.poll(0):
+            from zmq.utils.monitor import recv_monitor_message
+
+            out.append(int(recv_monitor_message(self.monitor)["event"]))
+        return out
+
+    def send(self, msg, wait_s: float = 0.0, track: bool = False):
         """Queue `msg` for the peer; False if no peer is connected (or its queue is full) within `wait_s`
-        (default: do not wait)."""
+        (default: do not wait). With `track`, a `zmq.MessageTracker` (done once ZeroMQ let go of the array
+        frames, which it sends without copying) instead of True."""
         if wait_s > 0 and not self.sock.poll(int(wait_s * 1000), zmq.POLLOUT):
             return False
         try:
-            self.sock.send_multipart(self.codec.encode(msg), copy=False, flags=zmq.NOBLOCK)
-            return True
+            tracker = self.sock.send_multipart(self.codec.encode(msg), copy=False, flags=zmq.NOBLOCK, track=track)
+            return tracker if track else True
         except zmq.Again:
             return False
 
@@ -356,7 +426,10 @@ class Channel:
         or `max_frames`, or is not a well-formed message of an accepted type."""
         if timeout_s is not None and not self.sock.poll(max(0, int(timeout_s * 1000))):
             return None
-        frames = self.sock.recv_multipart(copy=False)
+        try:  # (a readable socket may still hold no whole message: one cut short by a dropped connection)
+            frames = self.sock.recv_multipart(copy=False, flags=zmq.NOBLOCK if timeout_s is not None else 0)
+        except zmq.Again:
+            return None
         limit = self.max_bytes if max_bytes is None else max_bytes
         size = sum(f.buffer.nbytes for f in frames)
         try:
@@ -371,4 +444,8 @@ class Channel:
             raise
 
     def close(self) -> None:
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
+            self.monitor = None
         self.sock.close(linger=0)

@@ -186,7 +186,25 @@ def _run_doctor(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_drafter(p: argparse.ArgumentParser) -> None:
+    from saguaro_vllm.tools.remote_drafter import add_arguments
+
+    add_arguments(p)
+
+
+def _run_drafter(args: argparse.Namespace) -> int:
+    from saguaro_vllm.tools.remote_drafter import run
+
+    return run(args)
+
+
 SUBCOMMANDS: dict[str, tuple[str, AddArgs, Run]] = {
+    "drafter": (
+        "serve a draft model to workers on other hosts (saguaro.drafter_endpoint), over an authenticated "
+        "TCP link: --listen tcp://HOST:PORT --model DRAFT",
+        _add_drafter,
+        _run_drafter,
+    ),
     "doctor": (
         "check this machine and a speculative config before serving: vLLM, torch/CUDA, GPUs, peer access, ops, "
         "placement, KV memory, /dev/shm, draft vs target (one line each, OK/WARN/FAIL with the fix)",

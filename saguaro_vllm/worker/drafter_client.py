@@ -175,6 +175,15 @@ class DrafterClient:
         self.proc = self.chan = None
         self._late = None
 
+    def _gone(self) -> str | None:
+        """How the drafter went away (its exit status), or None while it is there."""
+        code = self.proc.poll()
+        return None if code is None else _exited(code)
+
+    def _probe(self) -> tuple[str, float] | None:
+        """The drafter process's run state and CPU seconds (`process_progress`)."""
+        return process_progress(self.proc.pid)
+
     def _reap(self) -> None:
         now = self.clock()
         for proc, kill_at in list(self._dying.items()):
@@ -250,12 +259,12 @@ class DrafterClient:
         if self.state == LATE:
             self._poll_late()
         elif self.state == READY:
-            if self.proc.poll() is not None:
-                self._lost(_exited(self.proc.returncode))
+            if (gone := self._gone()) is not None:
+                self._lost(gone)
             elif self.policy.refill():
                 self.logger.info("Saguaro: drafter healthy for %.0f s; restart budget refilled",
                                  self.policy.healthy_reset_s)
-        elif self.proc is None:  # restarting: waiting for the old process to go and for the backoff
+        elif self.chan is None:  # restarting: waiting for the old process to go and for the backoff
             if not self._dying and self.clock() >= self._restart_at:
                 self._start()
         else:
@@ -274,8 +283,8 @@ class DrafterClient:
             self._disable(f"drafter failed to start: {msg.error}")
         elif msg is not None:
             self._lost(f"sent {type(msg).__name__} before Ready")
-        elif self.proc.poll() is not None:
-            self._lost(f"{_exited(self.proc.returncode)} while loading")
+        elif (gone := self._gone()) is not None:
+            self._lost(f"{gone} while loading")
         elif self.clock() - self._started_at > self.startup_timeout_s:
             self._lost(f"did not load within {self.startup_timeout_s:.0f} s (saguaro.startup_timeout_s)")
 
@@ -293,8 +302,8 @@ class DrafterClient:
             self._answered_late(msg)
             return
         now = self.clock()
-        if self.proc.poll() is not None:
-            self._lost(f"{_exited(self.proc.returncode)} while computing a late step")
+        if (gone := self._gone()) is not None:
+            self._lost(f"{gone} while computing a late step")
         elif now - late["sent"] > self.step_timeout_s:
             self._lost(f"did not answer step {late['step']} within {self.step_timeout_s:g} s "
                        "(saguaro.step_timeout_s)")
@@ -311,7 +320,7 @@ class DrafterClient:
 
     def _busy(self, late: dict) -> bool:
         """Did the drafter use CPU since the last probe (it is computing, not stopped or deadlocked)?"""
-        probe = process_progress(self.proc.pid)
+        probe = self._probe()
         now = self.clock()
         busy = probe is not None and probe[0] not in "TtZX" and \
             probe[1] - late["cpu"] >= BUSY_CPU_FRACTION * (now - late["probed"])
@@ -367,14 +376,13 @@ class DrafterClient:
         if not self.poll():
             raise self._unavailable(self.state)
         if not self.chan.send(req):  # no peer on the socket: a PAIR socket does not reconnect, restart
-            code = self.proc.poll()
-            self._lost(_exited(code) if code is not None else "dropped its connection")
+            self._lost(self._gone() or "dropped its connection")
             raise self._unavailable("send", "the drafter did not take the request")
         sent = self.clock()
         tokens = sum(len(r.new_tokens) for r in req.rows)
         limit = self.deadline.for_step(tokens)
         max_bytes, max_frames = reply_size_limit(req, self.vocab_size)
-        probe = process_progress(self.proc.pid)
+        probe = self._probe()
         while True:
             left = sent + limit - self.clock()
             try:
@@ -384,8 +392,8 @@ class DrafterClient:
                 self._reply_problem(err.reason, str(err))
                 raise self._unavailable(err.reason, str(err), delivered=True) from None
             if msg is None:
-                if self.proc.poll() is not None:
-                    self._lost(f"{_exited(self.proc.returncode)} during a step")
+                if (gone := self._gone()) is not None:
+                    self._lost(f"{gone} during a step")
                     raise self._unavailable("died", delivered=True)
                 if left <= 0:
                     self._missed_deadline(req, sent, limit, tokens, max_bytes, max_frames, probe)

@@ -17,6 +17,7 @@ import torch
 
 from saguaro_vllm.frontend.config import ADDITIONAL_CONFIG_KEY
 from saguaro_vllm.worker.drafter_client import DrafterClient, DrafterUnavailable
+from saguaro_vllm.worker.remote_client import RemoteDrafterClient
 from saguaro_vllm.worker.drafter_policy import ResyncBackoff
 from saguaro_vllm.worker.metrics import SaguaroMetrics
 from saguaro_vllm.shared.proposal_buffers import ProposalRing, assemble, draft_positions, fit_rows, ring_rows, transport_for
@@ -62,7 +63,11 @@ class SaguaroProposer:
             self._pin_target(self._rank_cores())
         if self._is_output_rank():
             self._create_ring(vllm_config)
-            self.client = DrafterClient(self.cfg, self.logger, metrics=self.metrics, vocab_size=self.vocab_size)
+            if self.cfg["saguaro"].get("drafter_endpoint"):  # a drafter on another host: connect to it
+                self.client = RemoteDrafterClient(self.cfg, self.logger, metrics=self.metrics,
+                                                  vocab_size=self.vocab_size, ring=self.ring)
+            else:
+                self.client = DrafterClient(self.cfg, self.logger, metrics=self.metrics, vocab_size=self.vocab_size)
 
     def _create_ring(self, vllm_config: Any) -> None:
         """Sampled rows' q comes through shared memory, not the socket (proposal_buffers.py): a ring of
