@@ -155,6 +155,50 @@ def newest_validation() -> dict | None:
     return max(found, key=lambda d: d.get("date", "")) if found else None
 
 
+INTRO = ["## Projection", "", "GPU figures projected from CPU runs (a projection, not a measurement).", "",
+         "No GPU ran any of this. Recorded runs are replayed through the product's own policy code under "
+         "another cost model ([projection.md](projection.md)); the replay is believed only as far as the "
+         "validation reproduces what this machine measured.", ""]
+
+
+def summary(detail: str) -> list[str]:
+    """The benchmarks page's part: how far the validation and the repeatability runs hold (their tables in
+    full on `detail`), then the projection itself."""
+    validation, projection = newest_validation(), _newest("*-projection-gpu.json")
+    repeat = _newest("*-repeatability*.json")
+    if validation is None and projection is None:
+        return []
+    out = list(INTRO)
+    if validation is not None:
+        within = sum(1 for c in validation["cells"] if c.get("within_bars"))
+        out.append(f"- Validation on this machine ({result_link(validation['_file'])}): the replay within the "
+                   f"bars (10 % tokens/s, 0.05 hit rate) of what each run measured in {within} of "
+                   f"{len(validation['cells'])} cells.")
+    if repeat is not None:
+        within = sum(1 for c in repeat["cells"] if c.get("within_bars"))
+        out.append(f"- Repeatability ({result_link(repeat['_file'])}): runs of the same cell within the bars of "
+                   f"each other in {within} of {len(repeat['cells'])} cells.")
+    out += [f"- Both tables in full, with vLLM AR measured and projected: [{detail}]({detail}).", ""]
+    if projection is not None:
+        out += projection_lines(projection)
+    deeper = _newest("*-projection-gpu-k8.json")
+    if deeper is not None:
+        out += [f"The same projection from traces recorded with 8 drafts per row: {result_link(deeper['_file'])}.",
+                ""]
+    return out
+
+
+def detail() -> list[str]:
+    """The validation and repeatability tables in full (a developer page; links relative to docs/)."""
+    validation, repeat = newest_validation(), _newest("*-repeatability*.json")
+    out = []
+    if validation is not None:
+        out += validation_lines(validation)
+    if repeat is not None:
+        out += repeatability_lines(repeat)
+    return out
+
+
 def section() -> list[str]:
     validation, projection = newest_validation(), _newest("*-projection-gpu.json")
     deeper = _newest("*-projection-gpu-k8.json")

@@ -112,6 +112,8 @@ def test_benchmarks_page_is_current(tmp_path, monkeypatch):
     page = report.render(report.load_latest())
     assert page == (ROOT / "docs" / "benchmarks.md").read_text(), "run: .venv/bin/python benchmarks/report.py"
     assert "benchmarks/notes.md" in page and "## Summary and analysis" not in page  # lab notes stay out
+    assert report.render_dev() == report.DEV_PAGE.read_text(), "run: .venv/bin/python benchmarks/report.py"
+    assert "(dev/projection-runs.md)" in page and "cells within the bars" in report.render_dev()
 
 
 def test_readme_figures_are_current():
