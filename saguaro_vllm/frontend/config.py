@@ -122,8 +122,9 @@ class SaguaroOptions(BaseModel):
                             "or 128.")
     kv_cache_gb: float | Literal["auto"] = Field(
         "auto", description="Memory of the drafter's KV cache in GiB, > 0; it sizes the number of blocks and is "
-        "resident from start-up. `auto`: 1 GiB on CPU, on a GPU the drafter shares with the target (`cuda:N` "
-        "with N < TP x PP) and under vLLM's Ray executor; on a GPU of its own, half of that GPU's free memory "
+        "resident from start-up. `auto`: 1 GiB on CPU, on a GPU the drafter shares with the target (one of its "
+        "ranks' GPUs) and on an explicit `cuda:N` under vLLM's Ray executor; on a GPU of its own (also the one "
+        "Ray reserves for `device: auto`), half of that GPU's free memory "
         "measured by the drafter after loading the draft (at least 1 GiB while that leaves 512 MiB free; the "
         "`Saguaro drafter ready` log line gives `kv_cache_gib`). A cache that holds no block is an error; one "
         "that holds fewer tokens than `max_model_len` a start-up warning. When it is full, rows that do not fit "
