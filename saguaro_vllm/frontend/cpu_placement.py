@@ -79,7 +79,7 @@ def user_bind() -> str:
     return "auto" if value == os.environ.get(BIND_SET_BY_US) else value
 
 
-def _parallel(world: int, dp: int) -> str:
+def _parallel(dp: int) -> str:
     return "(tensor x pipeline parallel)" if dp == 1 else "(data x tensor x pipeline parallel)"
 
 
@@ -91,7 +91,7 @@ def _user_rank_cores(bind: str, ranks: int, dp: int) -> list[list[int]] | None:
     if len(lists) != ranks:
         raise SaguaroConfigError(
             f"VLLM_CPU_OMP_THREADS_BIND={bind!r} gives {len(lists)} core list(s) but the target has "
-            f"{ranks} rank(s) {_parallel(ranks, dp)}: give one list per rank separated by '|' "
+            f"{ranks} rank(s) {_parallel(dp)}: give one list per rank separated by '|' "
             "(e.g. '0-15|16-31'), or unset it and use speculative_config.saguaro.target_cores."
         )
     try:
@@ -211,11 +211,11 @@ def _check_shared(opts: SaguaroOptions, drafts: list[list[int]], target: set[int
         for other in drafts[i + 1:]:
             shared |= set(draft) & set(other)
     if shared and not opts.share_cores:
-        ranks_named = "" if world * dp == 1 else f" for {world * dp} target ranks {_parallel(world, dp)}"
+        ranks_named = "" if world * dp == 1 else f" for {world * dp} target ranks {_parallel(dp)}"
+        others = " or another data-parallel rank's drafter cores" if dp > 1 else ""
         raise SaguaroConfigError(
-            f"speculative_config.saguaro.draft_cores: cores {sorted(shared)} are also target cores{ranks_named} "
-            f"or another data-parallel rank's drafter cores (this process may use {available}); each drafter "
-            "must run on its own cores: set draft_cores and target_cores to disjoint lists, or set "
-            '"share_cores": true to let them share (slower).'
+            f"speculative_config.saguaro.draft_cores: cores {sorted(shared)} are also target cores{ranks_named}"
+            f"{others} (this process may use {available}); the drafter must run on its own cores: set draft_cores "
+            'and target_cores to disjoint lists, or set "share_cores": true to let them share (slower).'
         )
     return sorted(shared)
