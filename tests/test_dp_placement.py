@@ -24,7 +24,7 @@ def _cfg(**opts):
 # ---- GPUs --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("gpus", "tp", "dp", "device_ids", "expected"), [
     (2, 1, 1, None, ["cuda:1"]),                       # without DP: the first GPU after the target's, as before
-    (4, 1, 2, None, ["cuda:2", "cuda:3"]),             # targets 0 | 1: rank 1's next GPU would be rank... none free
+    (4, 1, 2, None, ["cuda:2", "cuda:3"]),             # targets 0 | 1: GPU 1 is rank 1's, so rank 0's drafter takes 2
     (6, 2, 2, None, ["cuda:4", "cuda:5"]),             # targets 0,1 | 2,3
     (4, 1, 2, [0, 2], ["cuda:1", "cuda:3"]),           # --device-ids 0,2: each drafter right after its target
     (4, 1, 2, [2, 3], ["cuda:0", "cuda:1"]),           # none after: wraps around to the first free GPU
