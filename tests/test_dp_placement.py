@@ -197,6 +197,8 @@ def test_metrics_carry_the_engine_label_of_their_dp_rank():
     e1 = value("vllm:saguaro_draft_tokens_total", {"engine": "1"})
     assert e0 is not None and e1 is not None and e1 >= 4
     assert value("vllm:saguaro_drafter_failures_total", {"reason": "late", "engine": "1"}) >= 1
+    # a counter no event has reached yet is exported at 0 for each engine, as one without labels was
+    assert value("vllm:saguaro_rows_no_room_total", {"engine": "1"}) is not None
     # a one-process engine's samples are read without the label (one engine per process)
     assert "vllm:saguaro_draft_tokens_total" in saguaro_samples()
     assert not any("engine=" in key for key in saguaro_samples())

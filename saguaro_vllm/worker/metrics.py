@@ -181,6 +181,7 @@ class SaguaroMetrics:
         self.logger = logger
         self.interval = float(cfg.get("saguaro", {}).get("log_interval_s", 10.0))
         self.engine = str(cfg.get("engine", 0))  # vLLM's `engine` label: this engine's data-parallel rank
+        self._export_zeros()
         self.steps = self.rows = self.draft_tokens = self.failures = self.live_requests = 0
         self.round_trip_s = self.compute_s = 0.0
         self.lookups = self.hits = 0
@@ -237,6 +238,14 @@ class SaguaroMetrics:
         if drafted_rows is not None:
             self._watch(drafted_rows, row_status)
         self._maybe_log()
+
+    def _export_zeros(self) -> None:
+        """Create this engine's child of every collector labelled by engine alone, so that each is on
+        `/metrics` (at 0) from the start, as a collector without labels is: dashboards and alerts that read
+        a counter before its first event see 0, not no data."""
+        for collector in _prometheus().values():
+            if tuple(collector._labelnames) == ("engine",):
+                collector.labels(engine=self.engine)
 
     def _c(self, name: str, **labels: str):
         """Collector `name`'s child for this engine (and `labels`)."""
