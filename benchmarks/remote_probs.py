@@ -1,4 +1,4 @@
-"""What sampled rows' probabilities cost on a remote drafter's link (docs/layouts-remote.md).
+"""What sampled rows' probabilities cost on a remote drafter's link (docs/layouts.md).
 
 A local drafter hands q to the worker through shared memory; a remote one sends float32 [drafts, vocab] per
 sampled row in every reply. This times one step's exchange as the remote drafter and its worker do it: a

@@ -1,5 +1,5 @@
 """Front-end decisions for GPU drafters, checked without a GPU: the drafter's KV cache size (`kv_cache_gb`
-"auto"), the Ray executor's placement refusal, and the draft model's download (offline only: this machine has
+"auto"), the Ray executor's placement decisions in the front end, and the draft model's download (offline only: this machine has
 no network, and HF_HUB_OFFLINE=1 must never touch it)."""
 from __future__ import annotations
 
@@ -66,16 +66,13 @@ def test_default_kv_cache_reaches_the_drafter_as_1_gib_on_cpu(tiny_pair):
 
 # ---- the Ray executor -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tp", [1, 2])
-def test_ray_refuses_auto_device_saying_how_to_place_the_drafter(monkeypatch, tp):
+def test_ray_auto_device_is_reserved_through_ray_and_explicit_ones_are_kept(monkeypatch, tp):
+    from saguaro_vllm.frontend.resolve import RAY_RESERVED
+
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert resolve_device(_cfg(), False, tp) == f"cuda:{tp}"  # mp: the first GPU after the target's
-    with pytest.raises(SaguaroConfigError) as err:
-        resolve_device(_cfg(), False, tp, use_ray=True)
-    msg = str(err.value)
-    assert msg.startswith("speculative_config.saguaro.device: 'auto' cannot place the drafter under vLLM's Ray "
-                          "executor")
-    assert "set saguaro.device to a GPU that vLLM's worker of the output rank" in msg and "'cuda:0'" in msg
-    assert "--distributed-executor-backend mp" in msg
+    assert resolve_device(_cfg(), False, tp, use_ray=True) == RAY_RESERVED == "cuda"  # the worker sets the index
+    assert resolve_kv_cache_gb(_cfg(), RAY_RESERVED, tp, use_ray=True) == "auto"  # a GPU of its own
     assert resolve_device(_cfg(device="cuda:0"), False, tp, use_ray=True) == "cuda:0"  # explicit: as the worker sees it
     assert resolve_device(_cfg(device="cpu"), False, tp, use_ray=True) == "cpu"
     with pytest.raises(SaguaroConfigError, match=r"'cuda:9' does not exist .*under the Ray executor set "
@@ -83,9 +80,27 @@ def test_ray_refuses_auto_device_saying_how_to_place_the_drafter(monkeypatch, tp
         resolve_device(_cfg(device="cuda:9"), False, tp, use_ray=True)
 
 
-def test_ray_refusal_through_vllms_front_end(tiny_pair, monkeypatch):
+def test_ray_placement_options_outside_their_executor_are_refused(monkeypatch):
+    from saguaro_vllm.frontend.device_placement import resolve_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    with pytest.raises(SaguaroConfigError, match=r"^speculative_config.saguaro.device: 'auto' reserves the drafter's "
+                                                 r"GPU when vLLM's Ray executor V2 starts, but "
+                                                 r"VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0"):
+        resolve_devices(_cfg(), False, 2, use_ray=True, ray_legacy=True)
+    assert resolve_devices(_cfg(device="cuda:3"), False, 2, use_ray=True, ray_legacy=True) == ["cuda:3"]
+    with pytest.raises(SaguaroConfigError, match=r"^speculative_config.saguaro.ray_node: names a Ray node, but "
+                                                 r"vLLM's Ray executor does not run the workers"):
+        resolve_devices(_cfg(ray_node="10.0.0.2"), False, 2)
+    with pytest.raises(SaguaroConfigError, match=r"^speculative_config.saguaro.devices: places drafters on the GPUs "
+                                                 r"of vLLM's multiproc executor, but Ray places the workers here"):
+        resolve_devices(_cfg(devices=["cuda:2", "cuda:3"]), False, 1, dp_size=2, use_ray=True)
+
+
+def test_ray_through_vllms_front_end(tiny_pair, monkeypatch):
     """vLLM's `EngineArgs.create_speculative_config` (plugin patches applied) with a Ray parallel config on a
-    CUDA platform (faked: 4 GPUs): refused before any engine process starts; the mp executor resolves."""
+    CUDA platform (faked: 4 GPUs): vLLM 0.32's older Ray executor is refused before any engine process starts;
+    with the default one the drafter's GPU is left to the reservation at executor start."""
     import multiprocessing
 
     from vllm.engine.arg_utils import EngineArgs
@@ -98,22 +113,21 @@ def test_ray_refusal_through_vllms_front_end(tiny_pair, monkeypatch):
     model_config = args.create_model_config()
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-
-    def parallel(backend):
-        return types.SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1,
-                                     distributed_executor_backend=backend, use_ray=backend == "ray")
-
-    with pytest.raises(SaguaroConfigError, match=r"^speculative_config.saguaro.device: 'auto' cannot place the "
-                                                 r"drafter under vLLM's Ray executor"):
-        args.create_speculative_config(model_config, parallel("ray"))
+    monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "0")
+    ray = types.SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1, distributed_executor_backend="ray",
+                                use_ray=True)
+    with pytest.raises(SaguaroConfigError, match=r"^speculative_config.saguaro.device: 'auto' reserves the "
+                                                 r"drafter's GPU when vLLM's Ray executor V2 starts"):
+        args.create_speculative_config(model_config, ray)
     assert not multiprocessing.active_children()
-    # mp: resolved (vLLM's own SpeculativeConfig is not built here: it would need a real parallel config)
     from saguaro_vllm.frontend.resolve import resolve_for_engine
 
     cfg = parse_speculative_config(spec)[0]
-    resolved = resolve_for_engine(cfg, model_config, tp_size=2, is_cpu_platform=False, max_num_seqs=8,
-                                  use_ray=False)
-    assert resolved["device"] == "cuda:2" and resolved["saguaro"]["kv_cache_gb"] == "auto"
+    resolved = resolve_for_engine(cfg, model_config, tp_size=2, is_cpu_platform=False, max_num_seqs=8, use_ray=True)
+    assert resolved["device"] == "cuda" and resolved["ray_reserve"] and resolved["saguaro"]["kv_cache_gb"] == "auto"
+    resolved = resolve_for_engine(cfg, model_config, tp_size=2, is_cpu_platform=False, max_num_seqs=8)
+    assert resolved["device"] == "cuda:2" and not resolved["ray_reserve"]
+    assert resolved["saguaro"]["kv_cache_gb"] == "auto"
 
 
 # ---- the draft model from the Hugging Face hub, offline ---------------------------------------------------------

@@ -122,10 +122,10 @@ def test_console_script():
 
 
 #: Imported by saguaro_vllm but not base dependencies, each with what brings it: the `gpu` / `cpu` extras
-#: (vLLM, which depends on transformers and openai; triton comes with vLLM's CUDA build and is optional) and
-#: the `bench` extra (matplotlib: plots are skipped without it).
+#: (vLLM, which depends on transformers and openai; triton comes with vLLM's CUDA build and is optional),
+#: the `bench` extra (matplotlib: plots are skipped without it) and the `ray` extra (vLLM's Ray executor).
 FROM_EXTRAS = {"vllm": "gpu/cpu", "transformers": "vllm", "openai": "vllm", "triton": "vllm (CUDA)",
-               "matplotlib": "bench"}
+               "matplotlib": "bench", "ray": "ray"}
 
 
 def test_every_imported_package_is_declared():

@@ -40,10 +40,13 @@ LAYOUTS = {
     "qwen3-32b-tp2.json": dict(target="Qwen/Qwen3-32B", vocab=151936, tp=2, gpus=3, device="cuda:2", kv="auto"),
     "one-gpu.json": dict(target="meta-llama/Llama-3.1-8B-Instruct", vocab=128256, tp=1, gpus=1, device="cuda:0",
                          kv=2.0),
+    # data parallel 2: one engine per GPU 0 and 1, one drafter per engine on GPUs 2 and 3
+    "llama-3.1-8b-dp2.json": dict(target="meta-llama/Llama-3.1-8B-Instruct", vocab=128256, tp=1, dp=2, gpus=4,
+                                  device="cuda:2", devices=["cuda:2", "cuda:3"], kv="auto"),
 }
 
 
-#: Configs whose drafter runs on another host (docs/layouts-remote.md): resolved without a local draft.
+#: Configs whose drafter runs on another host (docs/layouts.md): resolved without a local draft.
 REMOTE = {"remote-drafter.json"}
 
 
@@ -78,7 +81,7 @@ def test_remote_config_resolves_with_its_secret(name, tmp_path):
     assert got["saguaro"]["proposal_transport"] == "host" and got["draft_cores"] == []
 
 
-def _resolve(name: str, gpus: int, tmp_path, monkeypatch) -> dict:
+def _resolve(name: str, gpus: int, tmp_path, monkeypatch, use_ray: bool = False) -> dict:
     layout = LAYOUTS[name]
     cfg = parse_speculative_config(json.loads((ROOT / "configs" / name).read_text()))[0]
     draft_dir = tmp_path / cfg.model.replace("/", "--")
@@ -94,7 +97,8 @@ def _resolve(name: str, gpus: int, tmp_path, monkeypatch) -> dict:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     target = types.SimpleNamespace(model=layout["target"], dtype=torch.bfloat16, max_model_len=8192,
                                    get_vocab_size=lambda: layout["vocab"])
-    return resolve.resolve_for_engine(cfg, target, tp_size=layout["tp"], is_cpu_platform=False, max_num_seqs=256)
+    return resolve.resolve_for_engine(cfg, target, tp_size=layout["tp"], is_cpu_platform=False, max_num_seqs=256,
+                                      dp_size=layout.get("dp", 1), use_ray=use_ray)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -106,6 +110,14 @@ def test_config_resolves_on_its_gpus(name, tmp_path, monkeypatch):
     assert got["dtype"] == "bfloat16" and got["saguaro"]["cuda_graphs"] is True
     assert got["saguaro"]["linear"] == "plain" and got["draft_cores"] == []
     assert got["vocab_size"] == layout["vocab"]
+    assert [r["device"] for r in got["dp_ranks"]] == layout.get("devices", [layout["device"]])
+
+
+def test_auto_config_under_ray_leaves_the_gpu_to_the_reservation(tmp_path, monkeypatch):
+    """`configs/qwen3-32b-tp2.json` (`device: auto`) serves under vLLM's Ray executor unchanged: the drafter's GPU
+    is reserved when the executor starts (patches/ray_executor.py), with a KV cache sized on it."""
+    got = _resolve("qwen3-32b-tp2.json", 2, tmp_path, monkeypatch, use_ray=True)
+    assert got["device"] == "cuda" and got["ray_reserve"] and got["saguaro"]["kv_cache_gb"] == "auto"
 
 
 @pytest.mark.parametrize("name", [n for n in sorted(LAYOUTS) if LAYOUTS[n]["gpus"] > 1])
@@ -129,4 +141,5 @@ def test_readme_serves_each_config_with_its_target(name):
              if f"configs/{name}" in line and line.lstrip().startswith("vllm serve")]
     assert lines, f"README.md has no `vllm serve ... configs/{name}` line"
     tp = f"--tensor-parallel-size {layout['tp']}" if layout["tp"] > 1 else ""
-    assert any(layout["target"] in line and tp in line for line in lines), lines
+    dp = f"--data-parallel-size {layout['dp']}" if layout.get("dp", 1) > 1 else ""
+    assert any(layout["target"] in line and tp in line and dp in line for line in lines), lines

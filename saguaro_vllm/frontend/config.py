@@ -54,31 +54,55 @@ class SaguaroOptions(BaseModel):
         "auto",
         description="Where the draft model runs: `auto`, `cpu` or `cuda:N`. `auto`: CPU with the CPU build of "
         "vLLM (which accepts only `cpu` and `auto`); on GPUs the first GPU after the target's tensor x pipeline "
-        "parallel GPUs (`cuda:{TP x PP}`; an error if there is none: give `cuda:N` to share a GPU). Under vLLM's "
-        "Ray executor `auto` is an error: give `cuda:N` as the output rank's worker sees its GPUs, or `cpu` "
-        "(Topology below). A draft whose attention the drafter cannot run on that device is refused "
+        "parallel GPUs (`cuda:{TP x PP}`; an error if there is none: give `cuda:N` to share a GPU); with data "
+        "parallelism each DP rank's drafter on the first free GPU after that rank's target GPUs (`devices` "
+        "names them instead). Under vLLM's Ray executor `auto` reserves the drafter's GPU as a bundle of vLLM's "
+        "placement group on the node of the output rank (TP rank 0 of the last stage; `ray_node` pins the "
+        "node), before the workers start; `cuda:N` there is GPU N as that worker sees them, not reserved "
+        "([layouts.md](layouts.md)). A draft whose attention the drafter cannot run on that device is refused "
         "([troubleshooting](troubleshooting.md#gpu-drafters)).",
+    )
+    devices: list[str] | None = Field(
+        None,
+        description="With data parallelism (`--data-parallel-size`): the drafter's device of each DP rank on "
+        "this node, in local rank order (`[\"cuda:4\", \"cuda:5\"]`; entries as in `device`). Two ranks' "
+        "drafters on one GPU are refused. Default: from `device` (`auto`: the first free GPU after each rank's "
+        "target GPUs; `cpu`: each drafter on its own cores). An error together with a `device` other than "
+        "`auto`, and when its length is not the number of local DP ranks.",
+    )
+    ray_node: str | None = Field(
+        None,
+        description="Under vLLM's Ray executor: the node (its IP address as `ray status` lists it, or its Ray "
+        "node id) the drafter must run on, which must be the node of the output rank (TP rank 0 of the last "
+        "pipeline stage) that starts it: with `device` `auto` the reserved bundle is taken there, with "
+        "`cuda:N` (an explicit node and device, nothing reserved) the output worker checks it runs there. An "
+        "engine whose output rank lands elsewhere is refused before its workers load the model. Default: "
+        "wherever that rank runs. An error without the Ray executor.",
     )
     draft_cores: list[int] | None = Field(
         None,
-        description="CPU only: the cores the drafter process is pinned to (and its torch thread count). "
-        "Default: one target rank's share of the cores this process may use, rounded up, from the top (the "
-        "upper half with one target rank), or the cores not in `target_cores` when that is given. Must be "
-        "disjoint from the target's cores unless `share_cores` is set.",
+        description="CPU only: the cores the drafter process is pinned to (and its torch thread count); with "
+        "data parallelism split into one contiguous slice per local DP rank. Default: one target rank's share "
+        "of the cores this process may use, rounded up, from the top (the upper half with one target rank), or "
+        "the cores not in `target_cores` when that is given; with data parallelism the same within each DP "
+        "rank's contiguous share of the cores. Must be disjoint from the target's cores unless `share_cores` "
+        "is set.",
     )
     target_cores: list[int] | None = Field(
         None,
         description="CPU only: the cores of the target's ranks, split into one contiguous slice per rank "
-        "(TP x PP). Sets `VLLM_CPU_OMP_THREADS_BIND` (`0-15|16-31` style) unless you set that variable "
+        "(DP x TP x PP, in vLLM's order: DP rank, then pipeline stage, then TP rank). Sets "
+        "`VLLM_CPU_OMP_THREADS_BIND` (`0-15|16-31` style) unless you set that variable "
         "yourself (then your binding, one list per rank, is used and the drafter gets the other cores). "
         "Default: the cores not given to the drafter.",
     )
     share_cores: bool = Field(
         False,
         description="CPU only: let the drafter share cores with the target's ranks when the machine has "
-        "fewer cores than target ranks (tensor x pipeline parallel) plus one (e.g. TP=2 on 2 cores); both then "
-        "run slower (one warning says so). Without it, overlapping draft and target cores are a config error "
-        "naming this field.",
+        "fewer cores than target ranks (tensor x pipeline parallel) plus one (e.g. TP=2 on 2 cores), and, with "
+        "data parallelism, each DP rank's drafter share its own rank's cores (or `draft_cores` shorter than "
+        "the DP ranks be shared by all drafters); both then run slower (one warning says so). Without it, "
+        "overlapping draft and target cores, or two drafters on one core, are a config error naming this field.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Draft weights and KV cache dtype. `auto`: on CPU bfloat16 where the CPU has bf16 "
@@ -98,8 +122,9 @@ class SaguaroOptions(BaseModel):
                             "or 128.")
     kv_cache_gb: float | Literal["auto"] = Field(
         "auto", description="Memory of the drafter's KV cache in GiB, > 0; it sizes the number of blocks and is "
-        "resident from start-up. `auto`: 1 GiB on CPU, on a GPU the drafter shares with the target (`cuda:N` "
-        "with N < TP x PP) and under vLLM's Ray executor; on a GPU of its own, half of that GPU's free memory "
+        "resident from start-up. `auto`: 1 GiB on CPU, on a GPU the drafter shares with the target (one of its "
+        "ranks' GPUs) and on an explicit `cuda:N` under vLLM's Ray executor; on a GPU of its own (also the one "
+        "Ray reserves for `device: auto`), half of that GPU's free memory "
         "measured by the drafter after loading the draft (at least 1 GiB while that leaves 512 MiB free; the "
         "`Saguaro drafter ready` log line gives `kv_cache_gib`). A cache that holds no block is an error; one "
         "that holds fewer tokens than `max_model_len` a start-up warning. When it is full, rows that do not fit "
@@ -229,7 +254,7 @@ class SaguaroOptions(BaseModel):
     drafter_endpoint: str | None = Field(
         None,
         description="A drafter on another host: `tcp://HOST:PORT` where `saguaro-vllm drafter --listen "
-        "tcp://HOST:PORT --model DRAFT` serves ([layouts-remote.md](layouts-remote.md)). The worker connects "
+        "tcp://HOST:PORT --model DRAFT` serves ([layouts.md](layouts.md#a-drafter-on-another-host)). The worker connects "
         "instead of starting a drafter process: the link is authenticated and encrypted with CurveZMQ keys "
         "derived from a shared secret (`drafter_secret_file`), sampled rows' probabilities travel over it "
         "(K x vocab x 4 bytes per sampled row and step), a lost connection means no drafts (vLLM decodes "
@@ -362,6 +387,18 @@ class SaguaroOptions(BaseModel):
             return v
         raise ValueError("must be 'auto', 'cpu' or 'cuda:N' (e.g. 'cuda:1')")
 
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("must list one device per local data-parallel rank, or be null")
+        bad = [d for d in v if not (d == "cpu" or (d.startswith("cuda:") and d[5:].isdigit()))]
+        if bad:
+            raise ValueError(f"entries must be 'cpu' or 'cuda:N' (e.g. 'cuda:4'), got {bad}")
+        return v
+
 
 class SaguaroConfig(BaseModel):
     """The whole speculative config of `method: "saguaro"`, resolved for the drafter."""
@@ -436,6 +473,9 @@ class SaguaroConfig(BaseModel):
         if opts.miss_fanout is not None and opts.backup == "jit":
             raise ValueError("saguaro.miss_fanout: is the fan-out of rounds drafted by the n-gram backup, which "
                              "backup 'jit' never uses; remove miss_fanout or set backup to 'auto' or 'ngram'")
+        if opts.devices is not None and opts.device != "auto":
+            raise ValueError(f"saguaro.devices: gives each data-parallel rank's device, and saguaro.device "
+                             f"({opts.device!r}) one device for all; remove device, or devices")
         if "sampling_scale_tokens" in given and opts.sampling_scale == 1.0:
             raise ValueError("saguaro.sampling_scale_tokens: only used when sampling_scale < 1 (Saguaro "
                              "sampling is off at 1); set sampling_scale below 1 (or \"auto\") or remove "

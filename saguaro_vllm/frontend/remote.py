@@ -13,8 +13,8 @@ import os
 from typing import Any
 
 from saguaro_vllm.frontend.config import SaguaroConfig, SaguaroConfigError
-from saguaro_vllm.frontend.resolve import (_BIND_SET_BY_US, _user_bind, _user_rank_cores, resolve_proposal_ring,
-                                           split_cores)
+from saguaro_vllm.frontend.cpu_placement import BIND_SET_BY_US, _user_rank_cores, split_cores, user_bind
+from saguaro_vllm.frontend.resolve import resolve_proposal_ring
 from saguaro_vllm.shared.secret import SecretError, curve_supported, read_secret
 
 SECRET_FIELD = "speculative_config.saguaro.drafter_secret_file"
@@ -38,13 +38,13 @@ def resolve_remote(cfg: SaguaroConfig, target_model_config: Any, tp_size: int, i
     rank_cores: list[list[int]] = []
     if is_cpu_platform:  # the target's ranks share this host's cores among themselves only
         world = tp_size * pp_size
-        rank_cores = _user_rank_cores(_user_bind(), world) or split_cores(
+        rank_cores = _user_rank_cores(user_bind(), world, 1) or split_cores(
             sorted(cfg.saguaro.target_cores or os.sched_getaffinity(0)), world)
         if any(not cores for cores in rank_cores):
             raise SaguaroConfigError(f"speculative_config.saguaro.target_cores: {world} target ranks need a core "
                                      f"each, got {rank_cores}.")
-        if _user_bind() == "auto":
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = os.environ[_BIND_SET_BY_US] = \
+        if user_bind() == "auto":
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = os.environ[BIND_SET_BY_US] = \
                 "|".join(",".join(map(str, cores)) for cores in rank_cores)
     resolved = cfg.model_dump()
     resolved["saguaro"]["proposal_transport"] = "host"  # the proposer writes its own ring: host memory

@@ -6,7 +6,6 @@ path, an incompatible vocabulary or an impossible device fails at once with a me
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -14,6 +13,20 @@ import pathlib
 from typing import Any
 
 from saguaro_vllm.frontend.config import SaguaroConfig, SaguaroConfigError
+from saguaro_vllm.frontend.cpu_placement import (  # noqa: F401  (names the front end's callers use)
+    BIND_SET_BY_US,
+    CpuPlacement,
+    resolve_cpu_placement,
+    split_cores,
+    user_bind,
+)
+from saguaro_vllm.frontend.device_placement import (  # noqa: F401
+    RAY_PLACEMENT_FIX,
+    RAY_RESERVED,
+    own_gpu,
+    resolve_devices,
+    target_gpus,
+)
 
 SUPPORTED_DRAFT_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 logger = logging.getLogger("vllm.saguaro")
@@ -214,214 +227,26 @@ def check_draft_attention(draft_dir: pathlib.Path, device: str) -> None:
         )
 
 
-def _parse_cores(env_value: str) -> list[int]:
-    cores: list[int] = []
-    for part in env_value.split(","):
-        lo, _, hi = part.partition("-")
-        cores.extend(range(int(lo), int(hi or lo) + 1))
-    return cores
-
-
-def split_cores(cores: list[int], parts: int) -> list[list[int]]:
-    """`cores` in `parts` contiguous slices, sizes differing by at most one (the first slices larger).
-
-    >>> split_cores([0, 1, 2, 3, 4], 2)
-    [[0, 1, 2], [3, 4]]
-    """
-    size, extra = divmod(len(cores), parts)
-    out, at = [], 0
-    for i in range(parts):
-        n = size + (i < extra)
-        out.append(cores[at:at + n])
-        at += n
-    return out
-
-
-@dataclasses.dataclass
-class CpuPlacement:
-    """Cores of the drafter and of each target rank (vLLM's local rank order: pipeline stage, then
-    tensor-parallel rank), plus the cores the drafter shares with the target (`share_cores`)."""
-
-    draft: list[int]
-    ranks: list[list[int]]
-    shared: list[int]
-
-    @property
-    def target(self) -> list[int]:
-        return sorted(c for cores in self.ranks for c in cores)
-
-    def omp_threads_bind(self) -> str:
-        """`VLLM_CPU_OMP_THREADS_BIND` for these ranks: one core list per rank, separated by '|'."""
-        return "|".join(",".join(map(str, cores)) for cores in self.ranks)
-
-
-# The value this plugin last wrote to VLLM_CPU_OMP_THREADS_BIND (an environment variable, so vLLM's engine-core
-# and worker processes know it too): a later engine in the same process, perhaps with another TP size, must
-# treat it as 'auto', not as the user's own binding.
-_BIND_SET_BY_US = "SAGUARO_SET_OMP_THREADS_BIND"
-
-
-def _user_bind() -> str:
-    """The user's `VLLM_CPU_OMP_THREADS_BIND` ('auto' when unset or when it is the value we set)."""
-    value = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    return "auto" if value == os.environ.get(_BIND_SET_BY_US) else value
-
-
-def _user_rank_cores(user_bind: str, world: int) -> list[list[int]] | None:
-    """The per-rank core lists of an explicit `VLLM_CPU_OMP_THREADS_BIND` (None for auto / nobind)."""
-    if user_bind in ("auto", "nobind", ""):
-        return None
-    lists = user_bind.split("|")
-    if len(lists) != world:
-        raise SaguaroConfigError(
-            f"VLLM_CPU_OMP_THREADS_BIND={user_bind!r} gives {len(lists)} core list(s) but the target has "
-            f"{world} rank(s) (tensor x pipeline parallel): give one list per rank separated by '|' "
-            "(e.g. '0-15|16-31'), or unset it and use speculative_config.saguaro.target_cores."
-        )
-    try:
-        return [_parse_cores(part) for part in lists]
-    except ValueError:
-        raise SaguaroConfigError(
-            f"VLLM_CPU_OMP_THREADS_BIND={user_bind!r} is not a '|'-separated list of core lists "
-            "such as '0-15|16-31'."
-        ) from None
-
-
-def resolve_cpu_placement(cfg: SaguaroConfig, world_size: int = 1) -> CpuPlacement:
-    """Split this machine's cores between the target's `world_size` ranks (TP x PP) and the drafter.
-
-    Each rank gets its own cores (`target_cores` split into contiguous slices, or the user's
-    '|'-separated `VLLM_CPU_OMP_THREADS_BIND`); the drafter gets `draft_cores`, by default a rank's share
-    of the cores (rounded up) from the top. Cores shared between the drafter and a rank are a config error
-    unless `share_cores` is set.
-    """
-    opts = cfg.saguaro
-    available = sorted(os.sched_getaffinity(0))
-    for field, cores in (("draft_cores", opts.draft_cores), ("target_cores", opts.target_cores)):
-        bad = [c for c in cores or [] if c not in available]
-        if bad:
-            raise SaguaroConfigError(
-                f"speculative_config.saguaro.{field}: cores {bad} are not available to this process "
-                f"(available: {available})."
-            )
-    user_ranks = _user_rank_cores(_user_bind(), world_size)
-    if user_ranks is not None and opts.target_cores and sorted(sum(user_ranks, [])) != sorted(opts.target_cores):
-        raise SaguaroConfigError(
-            "speculative_config.saguaro.target_cores: differs from VLLM_CPU_OMP_THREADS_BIND="
-            f"{os.environ['VLLM_CPU_OMP_THREADS_BIND']!r}; set only one of them."
-        )
-    ranks_named = "" if world_size == 1 else f" for {world_size} target ranks (tensor x pipeline parallel)"
-    draft = list(opts.draft_cores or [])
-    target = list(opts.target_cores or []) or sorted(sum(user_ranks or [], []))
-    if not draft:
-        rest = [c for c in available if c not in target]
-        if target:
-            draft = rest or available[-1:]
-        else:
-            draft = available[len(available) - -(-len(available) // (world_size + 1)):]
-    if not target:
-        target = [c for c in available if c not in draft]
-        if len(target) < world_size and opts.share_cores:
-            target = available
-    if len(target) < world_size:
-        if opts.target_cores or user_ranks:
-            field = "target_cores"
-            why = f"gives {len(target)} core(s){ranks_named}, each rank needs one"
-        elif opts.draft_cores:
-            field = "draft_cores"
-            why = f"leaves {len(target)} core(s){ranks_named}, each rank needs one; give the drafter fewer cores"
-        else:
-            field = "share_cores"
-            why = (f"{world_size} target rank(s) and the drafter need at least {world_size + 1} cores; "
-                   'set "share_cores": true to let the drafter share cores with the target (slower), '
-                   "or use fewer ranks")
-        raise SaguaroConfigError(
-            f"speculative_config.saguaro.{field}: {why} (this process may use {len(available)} cores: "
-            f"{available})."
-        )
-    ranks = user_ranks or split_cores(sorted(target), world_size)
-    seen: set[int] = set()
-    for cores in ranks:
-        if not cores or seen & set(cores):
-            raise SaguaroConfigError(
-                f"VLLM_CPU_OMP_THREADS_BIND: every target rank needs its own non-empty core list, got {ranks}."
-            )
-        seen |= set(cores)
-    shared = sorted(set(draft) & seen)
-    if shared and not opts.share_cores:
-        raise SaguaroConfigError(
-            f"speculative_config.saguaro.draft_cores: cores {shared} are also target cores{ranks_named} "
-            f"(this process may use {available}); the drafter must run on its own cores: set draft_cores and "
-            'target_cores to disjoint lists, or set "share_cores": true to let the drafter share them (slower).'
-        )
-    return CpuPlacement(sorted(draft), ranks, shared)
-
-
-RAY_PLACEMENT_FIX = (
-    "set saguaro.device to a GPU that vLLM's worker of the output rank (TP rank 0, which starts the drafter) "
-    "sees, numbered as it sees them (e.g. 'cuda:0' as that worker sees it: the drafter shares its GPU), or "
-    "'cpu'; or use the mp executor (--distributed-executor-backend mp), under which 'auto' gives the drafter "
-    "the first GPU after the target's."
-)
-
-
 def resolve_device(cfg: SaguaroConfig, is_cpu_platform: bool, tp_size: int, pp_size: int = 1,
                    use_ray: bool = False, gpu_count: int | None = None) -> str:
-    """The drafter's device; `auto` on GPUs is the first GPU after the target's TP x PP GPUs. Under vLLM's Ray
-    executor (`use_ray`) Ray chooses the workers' GPUs and the drafter inherits the worker's view of them, so
-    this process cannot tell which GPU is free: `auto` is refused there, naming how to place the drafter.
-    `gpu_count`: the CUDA devices visible (default: torch's count)."""
-    device = cfg.saguaro.device
-    if is_cpu_platform:
-        if device not in ("auto", "cpu"):
-            raise SaguaroConfigError(
-                f"speculative_config.saguaro.device: {device!r} is not available with the CPU build of vLLM; "
-                "use 'cpu' (or 'auto')."
-            )
-        return "cpu"
-    if gpu_count is None:
-        import torch
-
-        gpu_count = torch.cuda.device_count()
-    count = gpu_count
-    used = tp_size * pp_size
-    if use_ray and device == "auto":
-        raise SaguaroConfigError(
-            "speculative_config.saguaro.device: 'auto' cannot place the drafter under vLLM's Ray executor "
-            "(distributed_executor_backend 'ray'): Ray chooses the target workers' GPUs, and the drafter, started "
-            "by a worker, sees the GPUs that worker sees, not those this process sees; " + RAY_PLACEMENT_FIX
-        )
-    if device == "auto":
-        if count <= used:
-            raise SaguaroConfigError(
-                f"speculative_config.saguaro.device: 'auto' needs a free GPU for the drafter, but the target "
-                f"uses {used} of {count} GPUs (tensor parallel {tp_size} x pipeline parallel {pp_size}). "
-                "Set device to 'cuda:N' to share a GPU, or free one."
-            )
-        return f"cuda:{used}"
-    if device == "cpu":
-        return "cpu"
-    index = int(device.split(":")[1])
-    if index >= count:
-        raise SaguaroConfigError(
-            f"speculative_config.saguaro.device: {device!r} does not exist ({count} CUDA devices visible)"
-            + (f"; under the Ray executor {RAY_PLACEMENT_FIX}" if use_ray else ".")
-        )
-    return device
+    """The drafter's device without data parallelism (`device_placement.resolve_devices`)."""
+    return resolve_devices(cfg, is_cpu_platform, tp_size, pp_size, 1, use_ray, gpu_count,
+                           device_control=os.environ.get("CUDA_VISIBLE_DEVICES"))[0]
 
 
 def resolve_kv_cache_gb(cfg: SaguaroConfig, device: str, tp_size: int, pp_size: int = 1,
-                        use_ray: bool = False) -> float | str:
+                        use_ray: bool = False, targets: list[list[int]] | None = None) -> float | str:
     """`saguaro.kv_cache_gb` for the drafter: a number stays; `auto` is 1 GiB (kv_cache.AUTO_KV_GIB) on CPU and
-    on a GPU the drafter may share with the target (one of its TP x PP GPUs, or any GPU under Ray, where
-    placement is Ray's), and stays "auto" on a GPU of its own: the drafter then measures that GPU's free
-    memory after loading the draft (kv_cache.kv_budget_bytes)."""
+    on a GPU the drafter may share with the target (a target GPU, `targets`: default the TP x PP GPUs, or an
+    explicit GPU under Ray, where placement is Ray's), and stays "auto" on a GPU of its own (one no target
+    uses, or the one Ray reserved for it): the drafter then measures that GPU's free memory after loading the
+    draft (kv_cache.kv_budget_bytes)."""
     from saguaro_vllm.drafter.kv_cache import AUTO_KV_GIB
 
     value = cfg.saguaro.kv_cache_gb
     if value != "auto":
         return value
-    if device.startswith("cuda:") and not use_ray and int(device.split(":")[1]) >= tp_size * pp_size:
+    if device == RAY_RESERVED or (not use_ray and own_gpu(device, targets or target_gpus(tp_size, pp_size, 1))):
         return "auto"
     return AUTO_KV_GIB
 
@@ -442,7 +267,7 @@ RING_FIELD = "speculative_config.saguaro.max_sampled_rows"
 
 
 def resolve_proposal_ring(cfg: SaguaroConfig, vocab_size: int, max_num_seqs: int | None,
-                          transport: str = "host") -> dict[str, Any]:
+                          transport: str = "host", rings: int = 1) -> dict[str, Any]:
     """Where the proposal ring (sampled rows' q, proposal_buffers.py) will go, checked for its worst case.
 
     Rows: `ring_rows(max_sampled_rows, max_num_seqs)`, the formula the proposer uses (`max_num_seqs` None:
@@ -451,7 +276,8 @@ def resolve_proposal_ring(cfg: SaguaroConfig, vocab_size: int, max_num_seqs: int
     fills up kills the writer with SIGBUS, so the worst case (every row of both slots written) must fit:
     in /dev/shm, else in the temp dir (a disk-backed file: a start-up warning), else the config is refused,
     naming the size, the space and the fixes. With `transport` "device" the slots are GPU memory and the
-    file holds only their header. Returns `{"dir", "rows", "bytes"}` (dir None: no ring)."""
+    file holds only their header. `rings`: how many engines of this machine hold one each (data-parallel
+    ranks), all checked together. Returns `{"dir", "rows", "bytes"}` (dir None: no ring; bytes: one ring)."""
     from saguaro_vllm.shared.proposal_buffers import SHM_DIR, gib, ring_bytes, ring_dir, ring_rows, shortage_message
 
     k = cfg.num_speculative_tokens
@@ -459,9 +285,10 @@ def resolve_proposal_ring(cfg: SaguaroConfig, vocab_size: int, max_num_seqs: int
     if rows == 0:
         return {"dir": None, "rows": 0, "bytes": 0}
     size = ring_bytes(rows, k, vocab_size) if transport == "host" else ring_bytes(0, k, vocab_size)
-    directory, free = ring_dir(size)
+    directory, free = ring_dir(size * rings)
     if directory is None:
-        raise SaguaroConfigError(shortage_message(rows, k, vocab_size, free, RING_FIELD) + ".")
+        many = f" ({rings} data-parallel ranks hold one ring each)" if rings > 1 else ""
+        raise SaguaroConfigError(shortage_message(rows, k, vocab_size, free, RING_FIELD) + many + ".")
     if directory != SHM_DIR:
         shm = free.get(SHM_DIR)
         logger.warning(
@@ -491,26 +318,44 @@ def _ring_transport(cfg: SaguaroConfig, draft_device: str, is_cpu_platform: bool
 
 def resolve_for_engine(cfg: SaguaroConfig, target_model_config: Any, tp_size: int,
                        is_cpu_platform: bool, pp_size: int = 1, max_num_seqs: int | None = None,
-                       use_ray: bool = False, download_dir: str | None = None) -> dict[str, Any]:
+                       use_ray: bool = False, download_dir: str | None = None, dp_size: int = 1,
+                       device_ids: list[int] | None = None, ray_legacy: bool = False) -> dict[str, Any]:
     """Everything the proposer and drafter need, as a plain JSON-able dict; sets the target's CPU binding.
     `max_num_seqs`: the engine's (or an upper bound of vLLM's default), which bounds the proposal ring;
-    `use_ray`: vLLM's Ray executor runs the workers; `download_dir`: vLLM's, for a draft given as a hub id."""
+    `use_ray`: vLLM's Ray executor runs the workers; `download_dir`: vLLM's, for a draft given as a hub id;
+    `dp_size`: the data-parallel ranks this machine runs (one engine and one drafter each); `device_ids`:
+    vLLM's `--device-ids`; `ray_legacy`: vLLM 0.32's older Ray executor. Per-rank placement is in `dp_ranks` (one entry per local DP rank; each engine's
+    output worker takes its own, `worker/rank_placement.py`); the top-level `device`, `draft_cores`,
+    `target_cores` and `target_rank_cores` are DP rank 0's."""
     draft_dir = resolve_draft_path(cfg.model, download_dir, cfg.revision)
     info = check_draft(draft_dir, target_model_config)
-    device = resolve_device(cfg, is_cpu_platform, tp_size, pp_size, use_ray)
+    devices = resolve_devices(cfg, is_cpu_platform, tp_size, pp_size, dp_size, use_ray, device_ids=device_ids,
+                              device_control=os.environ.get("CUDA_VISIBLE_DEVICES"), ray_legacy=ray_legacy)
+    if len({d == "cpu" for d in devices}) > 1:
+        raise SaguaroConfigError(
+            f"speculative_config.saguaro.devices: mixes CPU and GPU drafters ({devices}); put every data-parallel "
+            "rank's drafter on a GPU, or every one on 'cpu'."
+        )
+    device = devices[0]
     check_draft_attention(draft_dir, device)
-    ring = resolve_proposal_ring(cfg, info["vocab_size"], max_num_seqs, _ring_transport(cfg, device, is_cpu_platform))
-    draft_cores: list[int] = []
-    rank_cores: list[list[int]] = []
+    ring = resolve_proposal_ring(cfg, info["vocab_size"], max_num_seqs,
+                                 _ring_transport(cfg, device, is_cpu_platform), rings=dp_size)
+    world = tp_size * pp_size
+    ranks: list[dict[str, Any]] = [{"device": d, "draft_cores": [], "target_rank_cores": []} for d in devices]
     if device == "cpu":
-        # A GPU target's ranks are not placed on cores: only the drafter's cores matter there.
-        placement = resolve_cpu_placement(cfg, tp_size * pp_size if is_cpu_platform else 1)
-        draft_cores, rank_cores = placement.draft, placement.ranks
+        # A GPU target's ranks are not placed on cores: only the drafters' cores matter there.
+        placement = resolve_cpu_placement(cfg, world if is_cpu_platform else 1, dp_size)
+        for entry, (draft, rank_cores) in zip(ranks, placement.dp_ranks()):
+            entry["draft_cores"] = draft
+            entry["target_rank_cores"] = rank_cores if is_cpu_platform else []
         if placement.shared:
-            logger.warning("Saguaro: the drafter shares cores %s with the target (share_cores): both run "
-                           "slower than on cores of their own", placement.shared)
-        if is_cpu_platform and _user_bind() == "auto":
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = os.environ[_BIND_SET_BY_US] = placement.omp_threads_bind()
+            logger.warning("Saguaro: the drafter shares cores %s with the target or another drafter (share_cores): "
+                           "both run slower than on cores of their own", placement.shared)
+        if is_cpu_platform and user_bind() == "auto":
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = os.environ[BIND_SET_BY_US] = placement.omp_threads_bind()
+    targets = target_gpus(tp_size, pp_size, dp_size) if not (is_cpu_platform or use_ray) else []
+    for entry in ranks:
+        entry["kv_cache_gb"] = resolve_kv_cache_gb(cfg, entry["device"], tp_size, pp_size, use_ray, targets or None)
     dtype = cfg.saguaro.dtype
     if dtype == "auto":
         if device == "cpu":
@@ -532,13 +377,15 @@ def resolve_for_engine(cfg: SaguaroConfig, target_model_config: Any, tp_size: in
     resolved = cfg.model_dump()
     resolved["saguaro"]["linear"] = linear
     resolved["saguaro"]["cuda_graphs"] = cuda_graphs
-    resolved["saguaro"]["kv_cache_gb"] = resolve_kv_cache_gb(cfg, device, tp_size, pp_size, use_ray)
+    resolved["saguaro"]["kv_cache_gb"] = ranks[0]["kv_cache_gb"]
     resolved.update(
         draft_path=str(draft_dir),
         device=device,
-        draft_cores=draft_cores,
-        target_cores=sorted(sum(rank_cores, [])) if is_cpu_platform else [],
-        target_rank_cores=rank_cores if is_cpu_platform else [],
+        draft_cores=ranks[0]["draft_cores"],
+        target_cores=sorted(sum(ranks[0]["target_rank_cores"], [])),
+        target_rank_cores=ranks[0]["target_rank_cores"],
+        dp_ranks=ranks,
+        ray_reserve=device == RAY_RESERVED,  # the worker takes the GPU Ray reserved at executor start
         dtype=dtype,
         vocab_size=info["vocab_size"],
         architecture=info["architecture"],

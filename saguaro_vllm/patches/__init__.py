@@ -34,7 +34,8 @@ SUPPORTED_INSTALL = "pip install 'vllm>=0.32,<0.34' (or 'saguaro-vllm[gpu]'; on 
 SHORTCUT_STEPS: collections.Counter = collections.Counter()
 
 #: Modules of this package whose patches `apply_all` applies, in order.
-PATCH_MODULES = ("spec_config", "cli_args", "model_runner", "cpu_sampling", "tp_sampling", "greedy_rejection")
+PATCH_MODULES = ("spec_config", "cli_args", "model_runner", "cpu_sampling", "tp_sampling", "greedy_rejection",
+                 "ray_executor")
 
 
 class UnsupportedVLLMVersion(RuntimeError):

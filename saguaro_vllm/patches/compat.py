@@ -21,8 +21,9 @@ FINGERPRINTS = Path(__file__).with_name("fingerprints.json")
 
 #: vLLM functions the patches do not wrap but whose behaviour they rely on, fingerprinted beside the targets:
 #: the all-greedy path `greedy_rejection.py` reproduces (`rejection_sample`, `_rejection_greedy_sample`, the
-#: bonus-token `Sampler.forward` call, what `RejectionSampler.__init__` sets up), and the model-runner choice
-#: `spec_config.check_model_runner` guards (`VllmConfig.use_v2_model_runner` and its unsupported list).
+#: bonus-token `Sampler.forward` call, what `RejectionSampler.__init__` sets up), the model-runner choice
+#: `spec_config.check_model_runner` guards (`VllmConfig.use_v2_model_runner` and its unsupported list), and
+#: the Ray placement group `ray_executor.py` grows by one bundle and whose bundle order it predicts.
 RELIED_ON = (
     "vllm.v1.sample.rejection_sampler:rejection_sample",
     "vllm.v1.sample.rejection_sampler:_rejection_greedy_sample",
@@ -30,6 +31,9 @@ RELIED_ON = (
     "vllm.v1.sample.sampler:Sampler.forward",
     "vllm.config.vllm:VllmConfig.use_v2_model_runner",
     "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features",
+    "vllm.v1.executor.ray_utils:initialize_ray_cluster",
+    "vllm.v1.executor.ray_utils:get_bundles_sorted_by_node",
+    "vllm.v1.executor.ray_utils:get_bundles_for_indices",
 )
 
 

@@ -56,15 +56,17 @@ def wrap_create_speculative_config(original):
                 max_num_seqs=_max_num_seqs_bound(self, target_parallel_config),
                 use_ray=_uses_ray(self, target_parallel_config),
                 download_dir=getattr(self, "download_dir", None),
+                dp_size=_local_dp_size(target_parallel_config),
+                device_ids=getattr(target_parallel_config, "assigned_physical_gpu_ids", None),
+                ray_legacy=_ray_legacy(),
             )
             _check_lengths(resolved, target_model_config)
         if self.additional_config is None:
             self.additional_config = {}
         self.additional_config[ADDITIONAL_CONFIG_KEY] = resolved
         logger.info(
-            "Saguaro: mode=%s, K=%d, draft=%s on %s%s",
-            resolved["saguaro"]["mode"], resolved["num_speculative_tokens"], resolved["draft_path"], resolved["device"],
-            f" (cores {resolved['draft_cores']})" if resolved["draft_cores"] else "",
+            "Saguaro: mode=%s, K=%d, draft=%s on %s", resolved["saguaro"]["mode"], resolved["num_speculative_tokens"],
+            resolved["draft_path"], _placement_text(resolved),
         )
         self.speculative_config = {
             "method": "custom_class",
@@ -109,6 +111,32 @@ def _max_num_seqs_bound(args, parallel_config) -> int | None:
     except Exception:  # a vLLM without these defaults: rely on the cap
         return None
     return bound * (2 if getattr(args, "performance_mode", None) == "throughput" else 1)
+
+
+def _ray_legacy() -> bool:
+    """Whether vLLM 0.32's older Ray executor (RayDistributedExecutor) would run a Ray engine: the patch that
+    reserves the drafter's GPU wraps RayExecutorV2, the default (and 0.33's only one)."""
+    from vllm import envs
+
+    return not getattr(envs, "VLLM_USE_RAY_V2_EXECUTOR_BACKEND", True)
+
+
+def _local_dp_size(parallel_config) -> int:
+    """The data-parallel ranks whose engines this machine starts (each gets its own drafter)."""
+    return int(getattr(parallel_config, "data_parallel_size_local", None)
+               or getattr(parallel_config, "data_parallel_size", None) or 1)
+
+
+def _placement_text(resolved: dict) -> str:
+    """Where the drafters go, for the start-up log line: one device (and cores) per data-parallel rank."""
+    def one(entry: dict) -> str:
+        device = "the GPU Ray reserves" if resolved.get("ray_reserve") else entry["device"]
+        return device + (f" (cores {entry['draft_cores']})" if entry["draft_cores"] else "")
+
+    ranks = resolved["dp_ranks"]
+    if len(ranks) == 1:
+        return one(ranks[0])
+    return ", ".join(f"DP rank {i}: {one(e)}" for i, e in enumerate(ranks))
 
 
 def _uses_ray(args, parallel_config) -> bool:

@@ -151,11 +151,22 @@ def metric_totals(samples: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def drafter_state(samples: dict[str, float]) -> str | None:
-    """The drafter client's state: the label of `vllm:saguaro_drafter_state` that is 1 (None if not one)."""
-    prefix = 'vllm:saguaro_drafter_state{state="'
-    states = [k[len(prefix):].split('"', 1)[0] for k, v in samples.items() if k.startswith(prefix) and v == 1]
-    return states[0] if len(states) == 1 else None
+def sample_labels(key: str) -> dict[str, str]:
+    """The labels of a `metric_samples` key: `name{a="1",b="x"}` -> {"a": "1", "b": "x"}."""
+    _, _, inner = key.partition("{")
+    return dict(re.findall(r'(\w+)="([^"]*)"', inner.rstrip("}")))
+
+
+def drafter_state(samples: dict[str, float], engine: str | None = None) -> str | None:
+    """The drafter client's state: the `state` label of `vllm:saguaro_drafter_state` that is 1, for `engine`
+    (its data-parallel rank) or, when not given, the one state every engine is in (None if not one)."""
+    states = set()
+    for key, value in samples.items():
+        if key.startswith("vllm:saguaro_drafter_state{") and value == 1:
+            labels = sample_labels(key)
+            if engine is None or labels.get("engine") == engine:
+                states.add(labels.get("state"))
+    return states.pop() if len(states) == 1 else None
 
 
 def process_role(name: str, cmdline: list[str]) -> str:

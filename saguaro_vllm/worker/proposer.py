@@ -20,6 +20,7 @@ from saguaro_vllm.worker.drafter_client import DrafterClient, DrafterUnavailable
 from saguaro_vllm.worker.remote_client import RemoteDrafterClient
 from saguaro_vllm.worker.drafter_policy import ResyncBackoff
 from saguaro_vllm.worker.metrics import SaguaroMetrics
+from saguaro_vllm.worker.rank_placement import placed_config
 from saguaro_vllm.shared.proposal_buffers import ProposalRing, assemble, draft_positions, fit_rows, ring_rows, transport_for
 from saguaro_vllm.shared.transport import RowUpdate, SamplingSpec, StepRequest
 
@@ -43,7 +44,9 @@ class SaguaroProposer:
         from vllm.logger import init_logger
 
         self.logger = init_logger("vllm.saguaro.proposer")
-        self.cfg = dict(vllm_config.additional_config[ADDITIONAL_CONFIG_KEY])
+        # this engine's drafter: its data-parallel rank's placement (and under Ray the reserved GPU)
+        self.cfg = placed_config(dict(vllm_config.additional_config[ADDITIONAL_CONFIG_KEY]),
+                                 getattr(vllm_config, "parallel_config", None), self._is_output_rank())
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         self.runner: Any = None
