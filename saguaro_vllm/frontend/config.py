@@ -44,65 +44,52 @@ class SaguaroOptions(BaseModel):
     mode: Literal["sync", "async"] = Field(
         "async",
         description="`async`: speculative speculative decoding (SSD): while the target verifies, the drafter "
-        "pre-drafts the likely outcomes into a speculation cache, so that on a hit the next drafts are ready at "
-        "once; where pre-drafting cannot pay, its rounds are drafted exactly as `sync` drafts (`fallback`; "
-        "[algorithm.md](algorithm.md)). The options marked `async` only tune it. `sync`: "
-        "after each verification the drafter drafts K tokens while the target waits (optimized speculative "
-        "decoding in our own runtime), kept for comparison.",
+        "pre-drafts the likely outcomes, so that on a hit the next drafts are ready at once; "
+        "where that cannot pay, rounds are drafted as in `sync` (`fallback`; "
+        "[algorithm.md](algorithm.md)). `sync`: after each verification the drafter drafts K "
+        "tokens while the target waits; kept for comparison.",
     )
     device: str = Field(
         "auto",
-        description="Where the draft model runs: `auto`, `cpu` or `cuda:N`. `auto`: CPU with the CPU build of "
-        "vLLM (which accepts only `cpu` and `auto`); on GPUs the first GPU after the target's tensor x pipeline "
-        "parallel GPUs (`cuda:{TP x PP}`; an error if there is none: give `cuda:N` to share a GPU); with data "
-        "parallelism each DP rank's drafter on the first free GPU after that rank's target GPUs (`devices` "
-        "names them instead). Under vLLM's Ray executor `auto` reserves the drafter's GPU as a bundle of vLLM's "
-        "placement group on the node of the output rank (TP rank 0 of the last stage; `ray_node` pins the "
-        "node), before the workers start; `cuda:N` there is GPU N as that worker sees them, not reserved "
-        "([layouts.md](layouts.md)). A draft whose attention the drafter cannot run on that device is refused "
+        description="Where the draft model runs: `auto`, `cpu` or `cuda:N`. `auto`: CPU with the CPU build "
+        "of vLLM (which accepts only `cpu` and `auto`); on GPUs the first GPU after the target's "
+        "TP x PP GPUs (an error if there is none: give `cuda:N` to share one), per DP rank the "
+        "first free one after that rank's (or see `devices`); under vLLM's Ray executor a GPU "
+        "reserved in its placement group on the output rank's node ([layouts.md](layouts.md)). A "
+        "draft whose attention cannot run there is refused "
         "([troubleshooting](troubleshooting.md#gpu-drafters)).",
     )
     devices: list[str] | None = Field(
         None,
-        description="With data parallelism (`--data-parallel-size`): the drafter's device of each DP rank on "
-        "this node, in local rank order (`[\"cuda:4\", \"cuda:5\"]`; entries as in `device`). Two ranks' "
-        "drafters on one GPU are refused. Default: from `device` (`auto`: the first free GPU after each rank's "
-        "target GPUs; `cpu`: each drafter on its own cores). An error together with a `device` other than "
-        "`auto`, and when its length is not the number of local DP ranks.",
+        description="With data parallelism: the drafter's device of each local DP rank, in order "
+        "(`[\"cuda:4\", \"cuda:5\"]`). Default: from `device`. Two ranks on one GPU, a length other "
+        "than the local DP ranks, or a `device` other than `auto` beside it are errors.",
     )
     ray_node: str | None = Field(
         None,
-        description="Under vLLM's Ray executor: the node (its IP address as `ray status` lists it, or its Ray "
-        "node id) the drafter must run on, which must be the node of the output rank (TP rank 0 of the last "
-        "pipeline stage) that starts it: with `device` `auto` the reserved bundle is taken there, with "
-        "`cuda:N` (an explicit node and device, nothing reserved) the output worker checks it runs there. An "
-        "engine whose output rank lands elsewhere is refused before its workers load the model. Default: "
-        "wherever that rank runs. An error without the Ray executor.",
+        description="Under vLLM's Ray executor: the node (IP as `ray status` lists it, or Ray node id) where "
+        "the output rank (TP rank 0 of the last stage) and so the drafter must run; an engine "
+        "whose output rank lands elsewhere is refused. Default: wherever that rank runs. An "
+        "error without the Ray executor.",
     )
     draft_cores: list[int] | None = Field(
         None,
-        description="CPU only: the cores the drafter process is pinned to (and its torch thread count); with "
-        "data parallelism split into one contiguous slice per local DP rank. Default: one target rank's share "
-        "of the cores this process may use, rounded up, from the top (the upper half with one target rank), or "
-        "the cores not in `target_cores` when that is given; with data parallelism the same within each DP "
-        "rank's contiguous share of the cores. Must be disjoint from the target's cores unless `share_cores` "
-        "is set.",
+        description="CPU only: the cores the drafter is pinned to; with data parallelism split per local DP "
+        "rank. Default: one target rank's share of the cores, from the top (the upper half with "
+        "one rank), or the cores not in `target_cores`. Must not overlap the target's cores "
+        "unless `share_cores` is set.",
     )
     target_cores: list[int] | None = Field(
         None,
-        description="CPU only: the cores of the target's ranks, split into one contiguous slice per rank "
-        "(DP x TP x PP, in vLLM's order: DP rank, then pipeline stage, then TP rank). Sets "
-        "`VLLM_CPU_OMP_THREADS_BIND` (`0-15|16-31` style) unless you set that variable "
-        "yourself (then your binding, one list per rank, is used and the drafter gets the other cores). "
+        description="CPU only: the cores of the target's ranks, one contiguous slice per rank (DP, then "
+        "stage, then TP rank). Sets `VLLM_CPU_OMP_THREADS_BIND` unless you set it yourself. "
         "Default: the cores not given to the drafter.",
     )
     share_cores: bool = Field(
         False,
-        description="CPU only: let the drafter share cores with the target's ranks when the machine has "
-        "fewer cores than target ranks (tensor x pipeline parallel) plus one (e.g. TP=2 on 2 cores), and, with "
-        "data parallelism, each DP rank's drafter share its own rank's cores (or `draft_cores` shorter than "
-        "the DP ranks be shared by all drafters); both then run slower (one warning says so). Without it, "
-        "overlapping draft and target cores, or two drafters on one core, are a config error naming this field.",
+        description="CPU only: let drafters share cores with the target's ranks (or with each other under "
+        "data parallelism) when there are too few cores, e.g. TP=2 on 2 cores; both run slower "
+        "(one warning). Without it, overlapping cores are an error naming this field.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Draft weights and KV cache dtype. `auto`: on CPU bfloat16 where the CPU has bf16 "
@@ -111,58 +98,46 @@ class SaguaroOptions(BaseModel):
     )
     linear: Literal["auto", "plain", "packed", "onednn", "int8"] = Field(
         "auto", description="The matmul path of the draft's linear layers. `plain`: `F.linear`. `packed` (CPU, "
-        "bfloat16): oneDNN with the weights pre-packed once at load; same numerics as plain bf16. `onednn` (CPU, "
-        "float32 or bfloat16): vLLM's own CPU GEMM, one pre-packed oneDNN handler per layer. `int8` (CPU): int8 "
-        "weights per output channel, activations quantized per call: a slightly different draft, so acceptance "
-        "may change (output stays exact: the verifier gets the probabilities the draft sampled from). `auto`: "
-        "`packed` for a bfloat16 drafter on CPU where oneDNN's bf16 path runs, else `onednn` on CPU beside vLLM's "
-        "CPU build, else `plain`. Timings per path: `benchmarks/results/*-linear.json` ([dev/ops.md](dev/ops.md))."
+        "bfloat16): oneDNN with weights pre-packed at load, same numerics. `onednn` (CPU): "
+        "vLLM's own CPU GEMM. `int8` (CPU): int8 weights, a slightly different draft (acceptance "
+        "may change, output stays exact). `auto`: `packed` for a bf16 CPU drafter where oneDNN's "
+        "bf16 path runs, else `onednn` on CPU with vLLM's CPU build, else `plain` "
+        "([dev/ops.md](dev/ops.md))."
     )
     block_size: int = Field(16, description="Tokens per block of the drafter's paged KV cache: 8, 16, 32, 64 "
                             "or 128.")
     kv_cache_gb: float | Literal["auto"] = Field(
-        "auto", description="Memory of the drafter's KV cache in GiB, > 0; it sizes the number of blocks and is "
-        "resident from start-up. `auto`: 1 GiB on CPU, on a GPU the drafter shares with the target (one of its "
-        "ranks' GPUs) and on an explicit `cuda:N` under vLLM's Ray executor; on a GPU of its own (also the one "
-        "Ray reserves for `device: auto`), half of that GPU's free memory "
-        "measured by the drafter after loading the draft (at least 1 GiB while that leaves 512 MiB free; the "
-        "`Saguaro drafter ready` log line gives `kv_cache_gib`). A cache that holds no block is an error; one "
-        "that holds fewer tokens than `max_model_len` a start-up warning. When it is full, rows that do not fit "
-        "get no drafts (exact, unspeculated) until room frees up: room is made first from pre-drafted branches, "
-        "then from the KV of requests absent from the step, least recently used first; "
-        "`vllm:saguaro_rows_no_room_total` counts such rows ([metrics.md](metrics.md)).",
+        "auto", description="Memory of the drafter's KV cache in GiB, > 0, resident from start-up. `auto`: 1 GiB on "
+        "CPU, on a GPU shared with the target and on an explicit `cuda:N` under Ray; on a GPU of "
+        "its own, half its free memory after loading the draft (`kv_cache_gib` in the `Saguaro "
+        "drafter ready` line). A cache that holds no block is an error, fewer tokens than "
+        "`max_model_len` a warning. When full, rows that do not fit get no drafts (exact) until "
+        "room frees up (`vllm:saguaro_rows_no_room_total`, [metrics.md](metrics.md)).",
     )
     max_sampled_rows: int | Literal["auto"] = Field(
         "auto",
-        description="Rows of the proposal ring, the shared memory through which sampled rows' draft "
-        "probabilities reach vLLM's rejection sampler: 2 x rows x K x vocab x 4 bytes reserved in `/dev/shm` "
-        "(else the temp dir; a sparse file: only rows written use memory). A step verifies sampled drafts for "
-        "at most this many drafted rows (while one row is sampled, every drafted row of the step takes a ring "
-        "row); sampled rows beyond it get no drafts that step (exact, slower; counted on "
-        "`vllm:saguaro_sampled_rows_capped_total`). `auto`: min(max_num_seqs, 256). 0: no ring: sampled "
-        "requests get no drafts, greedy ones do. The front end checks the worst case fits ([troubleshooting]"
-        "(troubleshooting.md#the-proposal-ring-shared-memory)).",
+        description="Rows of the proposal ring through which sampled rows' draft probabilities reach vLLM's "
+        "rejection sampler: 2 x rows x K x vocab x 4 bytes reserved in `/dev/shm` (else the temp "
+        "dir; sparse). Sampled rows beyond it in a step get no drafts (exact; "
+        "`vllm:saguaro_sampled_rows_capped_total`). `auto`: min(max_num_seqs, 256). 0: sampled "
+        "requests get no drafts, greedy ones do. The worst case must fit "
+        "([troubleshooting](troubleshooting.md#the-proposal-ring-shared-memory)).",
     )
     proposal_transport: Literal["auto", "host", "device"] = Field(
-        "auto", description="Where the proposal ring's slots live. `host`: the shared-memory file (a CUDA target "
-        "then gets one copy of the used rows per step). `device`: the target GPU's memory, shared with the "
-        "drafter by a CUDA IPC handle and written by its GPU directly (no host round trip): 2 x rows x K x "
-        "vocab x 4 bytes of the target GPU reserved whole (1.3 GB at 256 rows, K=5, vocab 128256; lower "
-        "`max_sampled_rows` to shrink it); needs a CUDA target and drafter on the same GPU or with peer access, "
-        "and the drafter seeing the worker's GPUs. `auto`: `device` where that holds, else `host`.",
+        "auto", description="Where the proposal ring lives. `host`: the shared-memory file. `device`: the target "
+        "GPU's memory, written by the drafter's GPU over CUDA IPC (2 x rows x K x vocab x 4 "
+        "bytes reserved whole; lower `max_sampled_rows` to shrink it); needs a CUDA target and "
+        "drafter on one GPU or with peer access. `auto`: `device` where that holds, else `host`.",
     )
     max_tokens_per_forward: int = Field(
         2048, description="Prefill chunk size, >= 16: at most this many tokens of one request per drafter "
         "forward (long prompts are prefilled in chunks)."
     )
     cuda_graphs: bool | Literal["auto"] = Field(
-        "auto", description="Run the drafter's one-token forwards (branch steps, just-in-time drafts) as CUDA "
-        "graphs: rows rounded up to buckets 1, 2, 4 ... 2048, one graph per bucket captured when the drafter "
-        "starts, replayed after (needs vLLM's FlashAttention or Triton attention, or the drafter's compiled "
-        "CUDA decode attention; forwards with more rows or contexts past max_model_len (default 8192 tokens) "
-        "run eagerly). The graphs' memory pool holds the activations of the largest bucket, taken after the KV "
-        "cache is sized. The Ready line's `graphs` says what runs: `cuda-graphs`, `static` or `dynamic`. "
-        "`auto`: on for a CUDA drafter, off on CPU. `true` on a CPU drafter is an error.",
+        "auto", description="Run the drafter's one-token forwards as CUDA graphs, one per row bucket (1, 2, 4 ... "
+        "2048) captured at start-up; larger forwards run eagerly. The Ready line's `graphs` says "
+        "what runs (`cuda-graphs`, `static` or `dynamic`). `auto`: on for a CUDA drafter, off on "
+        "CPU. `true` on a CPU drafter is an error.",
     )
     step_timeout_s: float = Field(
         30.0,
@@ -212,29 +187,24 @@ class SaguaroOptions(BaseModel):
     )
     backup: Literal["auto", "jit", "ngram"] = Field(
         "auto",
-        description="`async` only: what a speculation-cache miss gets. `jit`: the drafter drafts K tokens "
-        "now (on the critical path). `ngram`: the tokens that followed an earlier occurrence of the context's "
-        "last 1-3 tokens (nearly free, rarely accepted). `auto`: per row, a miss (or a hit whose branch was cut "
-        "short) is drafted now only when the tokens it adds are worth the time the whole batch then waits, "
-        "given the measured timings, acceptance and the batch's tokens per second; the other misses keep "
-        "their n-gram drafts, so hit rows are not delayed ([algorithm.md](algorithm.md#backups)).",
+        description="`async` only: what a speculation-cache miss gets. `jit`: K tokens drafted now (on the "
+        "critical path). `ngram`: the tokens that followed an earlier occurrence of the "
+        "context's last 1-3 tokens (nearly free, rarely accepted). `auto`: per row, `jit` only "
+        "where the tokens it adds are worth the batch's wait, else n-gram "
+        "([algorithm.md](algorithm.md#backups)).",
     )
     depth: Literal["fixed", "auto"] = Field(
         "fixed",
-        description="`async` only: drafts per row. `fixed`: num_speculative_tokens (K) every step. `auto`: "
-        "num_speculative_tokens is the maximum (vLLM cannot verify more than the K it started with; start "
-        "with e.g. 8 to let it go deeper than 5) and each step the drafter returns the depth that "
-        "maximises the estimated tokens per second from the measured acceptance, cache hit rate, "
-        "verification time per verified token and draft step times ([algorithm.md](algorithm.md#depth)).",
+        description="`async` only: drafts per row. `fixed`: K (num_speculative_tokens) every step. `auto`: K "
+        "is the maximum (start with e.g. 8 to go deeper than 5) and each step uses the depth "
+        "with the best estimated tokens per second ([algorithm.md](algorithm.md#depth)).",
     )
     fallback: Literal["auto", "off"] = Field(
         "auto",
-        description="`async` only: `auto` (default): a round whose pre-draft cannot pay (its glue alone "
-        "outlasts the verification, or steps after pre-drafting commit fewer tokens "
-        "per second than steps drafted as `sync` does) skips the pre-draft entirely and its rows are drafted "
-        "after the verification exactly as in `sync`; the other mode is probed every 16 rounds, so "
-        "pre-drafting resumes when costs change (drafter/fallback.py). `off`: always pre-draft. A fixed "
-        "`fanout`, `fanout_budget` or `finish_predraft: true` implies `off`.",
+        description="`async` only: `auto`: a round whose pre-draft cannot pay is drafted after the "
+        "verification exactly as `sync` drafts; the other mode is probed every 16 rounds. `off`: "
+        "always pre-draft (implied by a fixed `fanout`, `fanout_budget` or `finish_predraft: "
+        "true`).",
     )
     finish_predraft: bool = Field(
         False,
@@ -254,14 +224,13 @@ class SaguaroOptions(BaseModel):
     drafter_endpoint: str | None = Field(
         None,
         description="A drafter on another host: `tcp://HOST:PORT` where `saguaro-vllm drafter --listen "
-        "tcp://HOST:PORT --model DRAFT` serves ([layouts.md](layouts.md#a-drafter-on-another-host)). The worker connects "
-        "instead of starting a drafter process: the link is authenticated and encrypted with CurveZMQ keys "
-        "derived from a shared secret (`drafter_secret_file`), sampled rows' probabilities travel over it "
-        "(K x vocab x 4 bytes per sampled row and step), a lost connection means no drafts (vLLM decodes "
-        "normally) and reconnects every 0.5 s doubling to 5 s, without a limit. The drafter host's options "
-        "(device, cores, dtype, KV cache, linear, CUDA graphs, trace) are given to `saguaro-vllm drafter`, "
-        "and are errors here; `model` names the draft for the logs only (the drafter refuses a target of "
-        "another vocabulary). Default: a local drafter process.",
+        "tcp://HOST:PORT --model DRAFT` serves "
+        "([layouts.md](layouts.md#a-drafter-on-another-host)). The link is encrypted with "
+        "CurveZMQ keys from a shared secret (`drafter_secret_file`); sampled rows' probabilities "
+        "cross it (K x vocab x 4 bytes per row and step); while it is down steps get no drafts "
+        "and it reconnects. The drafter host's options (device, cores, dtype, KV cache, linear, "
+        "CUDA graphs, trace) go to `saguaro-vllm drafter` and are errors here. Default: a local "
+        "drafter process.",
     )
     drafter_secret_file: str | None = Field(
         None,
@@ -271,10 +240,9 @@ class SaguaroOptions(BaseModel):
     )
     trace_dir: str | None = Field(
         None,
-        description="Directory for the drafter's replay trace (off when null; both modes): per step and row "
-        "the verification outcome, the ranked candidates per depth, what was pre-drafted and served, and the "
-        "measured times, as gzipped JSON lines that `saguaro-vllm project` replays ([projection.md]"
-        "(projection.md)). One file per drafter process; costs nothing when off.",
+        description="Directory for the drafter's replay trace (off when null): per step and row the outcome, "
+        "candidates, pre-drafts and times, as gzipped JSON lines for `saguaro-vllm project` "
+        "([projection.md](projection.md)). One file per drafter process.",
     )
     trace_max_mb: float = Field(
         256.0,
