@@ -42,6 +42,8 @@ SCRIPT = textwrap.dedent("""
         targets = patch_targets()  # imports the patch modules (declares, applies nothing)
         wrapped = []
         for patch in _REGISTRY.values():
+            if not patch.when():  # not applied here either (e.g. the Ray executor's without ray)
+                continue
             attr = getattr(_resolve_owner(patch.owner), patch.attr)
             where = getattr(getattr(attr, "__code__", None), "co_filename", "")
             if "saguaro_vllm" in where:  # a wrapper of ours (vLLM wraps some itself, e.g. inference_mode)

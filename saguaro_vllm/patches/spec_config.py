@@ -133,7 +133,7 @@ def _placement_text(resolved: dict) -> str:
         device = "the GPU Ray reserves" if resolved.get("ray_reserve") else entry["device"]
         return device + (f" (cores {entry['draft_cores']})" if entry["draft_cores"] else "")
 
-    ranks = resolved["dp_ranks"]
+    ranks = resolved.get("dp_ranks") or [resolved]  # a remote drafter: one, the endpoint
     if len(ranks) == 1:
         return one(ranks[0])
     return ", ".join(f"DP rank {i}: {one(e)}" for i, e in enumerate(ranks))
