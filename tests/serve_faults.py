@@ -63,6 +63,14 @@ class Batch:
     seconds: float
     max_gap_s: float
     errors: list[str]
+    started: float = 0.0  # time.monotonic() at the start
+    injected: float | None = None  # time.monotonic() when the fault was injected
+    arrivals: list[list[float]] = dataclasses.field(default_factory=list)  # per stream, each chunk's time
+
+    def longest_gap(self) -> tuple[int, float, float]:
+        """(stream, start, end) of the longest wait between two chunks of one stream."""
+        return max(((i, a, b) for i, arr in enumerate(self.arrivals) for a, b in zip(arr, arr[1:])),
+                   key=lambda g: g[2] - g[1], default=(0, self.started, self.started))
 
 
 def drafters(server: VLLMServer) -> list[psutil.Process]:
@@ -110,6 +118,7 @@ def run_batch(server: VLLMServer, inject=None) -> Batch:
 
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(PROMPTS))]
     start = time.monotonic()
+    injected = None
     deadline = start + BATCH_TIMEOUT_S
     for t in threads:
         t.start()
@@ -119,6 +128,7 @@ def run_batch(server: VLLMServer, inject=None) -> Batch:
         ended = [i for i, t in enumerate(threads) if not t.is_alive()]
         assert not ended, (f"streams {ended} ended before the fault (chunks per stream: "
                            f"{[len(a) for a in arrivals]}; errors: {errors}): lengthen the requests if none failed")
+        injected = time.monotonic()
         inject()
     for t in threads:
         t.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -127,7 +137,7 @@ def run_batch(server: VLLMServer, inject=None) -> Batch:
     if stuck:
         errors.append(f"requests {stuck} still streaming after {BATCH_TIMEOUT_S:.0f} s")
     gaps = [b - a for arr in arrivals for a, b in zip(arr, arr[1:])]
-    return Batch(["".join(p) for p in pieces], seconds, max(gaps, default=0.0), errors)
+    return Batch(["".join(p) for p in pieces], seconds, max(gaps, default=0.0), errors, start, injected, arrivals)
 
 
 def reference_batch(server: VLLMServer) -> list[str]:

@@ -15,7 +15,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from saguaro_vllm.worker.drafter_policy import ResyncBackoff, RestartPolicy, StepDeadline, process_progress
+from saguaro_vllm.worker.drafter_client import BUSY_CPU_FRACTION
+from saguaro_vllm.worker.drafter_policy import Progress, ResyncBackoff, RestartPolicy, StepDeadline, is_working, \
+    process_progress
 from saguaro_vllm.shared.transport import (
     Channel,
     Failed,
@@ -242,18 +244,70 @@ def test_process_progress_tells_a_stopped_process_from_a_busy_one():
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)
-        state0, cpu0 = process_progress(spin.pid)
+        p0 = process_progress(spin.pid)
         time.sleep(0.5)
-        _, cpu1 = process_progress(spin.pid)
-        assert state0 == "R" and cpu1 > cpu0
+        p1 = process_progress(spin.pid)
+        assert p0.state == "R" and p0.runnable and p1.cpu_s > p0.cpu_s
+        assert is_working(p0.cpu_s, p1, 0.5, BUSY_CPU_FRACTION)
         os.kill(spin.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 5  # the stop takes effect when the kernel next schedules it
-        while process_progress(spin.pid)[0] != "T" and time.monotonic() < deadline:
+        while process_progress(spin.pid).state != "T" and time.monotonic() < deadline:
             time.sleep(0.02)
-        state, cpu2 = process_progress(spin.pid)
+        p2 = process_progress(spin.pid)
         time.sleep(0.3)
-        assert state == "T" and process_progress(spin.pid)[1] == cpu2
+        p3 = process_progress(spin.pid)
+        assert p2.state == "T" and not p3.runnable and p3.cpu_s == p2.cpu_s
+        assert not is_working(p2.cpu_s, p3, 0.3, BUSY_CPU_FRACTION)
     finally:
         spin.kill()
         spin.wait()
     assert process_progress(spin.pid) is None
+    assert not is_working(0.0, None, 1.0, BUSY_CPU_FRACTION)
+
+
+@pytest.mark.parametrize(("state", "used_s", "runnable", "working"), [
+    ("R", 0.5, True, True),     # computing
+    ("S", 0.5, False, True),    # computed, now between two kernels
+    ("S", 0.0, True, True),     # main thread waits on a worker thread that waits for a CPU
+    ("R", 0.001, True, True),   # starved: runnable, no CPU given (an oversubscribed machine), not hung
+    ("S", 0.001, False, False),  # asleep and no progress: deadlocked or blocked
+    ("D", 0.0, False, False),   # in uninterruptible sleep and no progress
+    ("T", 0.0, False, False),   # stopped (SIGSTOP)
+    ("t", 0.0, False, False),   # stopped by a debugger
+    ("Z", 0.0, False, False),   # dead
+])
+def test_is_working_tells_starved_from_hung(state, used_s, runnable, working):
+    assert is_working(10.0, Progress(state, 10.0 + used_s, runnable), 1.0, BUSY_CPU_FRACTION) is working
+
+
+def test_a_drafter_starved_of_cpu_is_working_a_sleeping_one_is_not():
+    """Real processes: a spinner at SCHED_IDLE beside a normal spinner on the same core gets almost no CPU
+    (far under BUSY_CPU_FRACTION) yet is runnable; a process asleep on a pipe is not; a process whose main
+    thread waits on a spinning worker thread is runnable through that thread."""
+    core = {sorted(os.sched_getaffinity(0))[0]}
+    spin = "while True: pass"
+    hog = subprocess.Popen([sys.executable, "-c", spin])
+    starved = subprocess.Popen([sys.executable, "-c", spin])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    threaded = subprocess.Popen([sys.executable, "-c", "import threading\n"
+                                 "t = threading.Thread(target=lambda: [0 for _ in iter(int, 1)])\nt.start()\nt.join()"])
+    try:
+        for p in (hog, starved):
+            os.sched_setaffinity(p.pid, core)
+        os.sched_setscheduler(starved.pid, os.SCHED_IDLE, os.sched_param(0))
+        time.sleep(0.5)
+        before = {p.pid: process_progress(p.pid) for p in (starved, sleeper, threaded)}
+        time.sleep(1.0)
+        after = {p.pid: process_progress(p.pid) for p in (starved, sleeper, threaded)}
+        s0, s1 = before[starved.pid], after[starved.pid]
+        assert s1.cpu_s - s0.cpu_s < BUSY_CPU_FRACTION, "the SCHED_IDLE spinner was not starved"
+        assert s1.runnable and is_working(s0.cpu_s, s1, 1.0, BUSY_CPU_FRACTION)
+        z0, z1 = before[sleeper.pid], after[sleeper.pid]
+        assert z1.state == "S" and not z1.runnable
+        assert not is_working(z0.cpu_s, z1, 1.0, BUSY_CPU_FRACTION)
+        t1 = after[threaded.pid]
+        assert t1.state == "S" and t1.runnable, t1  # the main thread joins; its worker thread spins
+    finally:
+        for p in (hog, starved, sleeper, threaded):
+            p.kill()
+            p.wait()

@@ -8,9 +8,10 @@ speculation and requests are unaffected. The engine never waits on a drafter tha
         +--Failed (cannot load the draft) / restart budget spent--> disabled
 
 - One step waits at most `StepDeadline.for_step` (about a second, derived from measured step times, capped
-  by `saguaro.step_timeout_s`). A drafter that misses it while using no CPU (stopped, deadlocked) is hung:
-  it gets SIGTERM, SIGKILL a second later, and a replacement starts once it is gone. One that is still
-  computing (a long prompt) is `late`: steps go on without drafts, not waiting, until its answer arrives
+  by `saguaro.step_timeout_s`). A drafter that misses it while using no CPU and with no thread waiting
+  for one (stopped, deadlocked) is hung: it gets SIGTERM, SIGKILL a second later, and a replacement starts
+  once it is gone. One that is still computing (a long prompt) or runnable but starved of CPU (an
+  oversubscribed machine) is `late`: steps go on without drafts, not waiting, until its answer arrives
   (or `step_timeout_s` passes: then it is killed as hung).
 - Restarts run in the background: while `starting` / `restarting` every step returns at once without drafts;
   readiness is polled with a zero timeout at each step. A new drafter holds nothing: `generation` bumps
@@ -33,7 +34,8 @@ import sys
 import time
 import weakref
 
-from saguaro_vllm.worker.drafter_policy import RestartPolicy, StepDeadline, process_progress
+from saguaro_vllm.worker.drafter_policy import Progress, RestartPolicy, StepDeadline, is_working, \
+    process_progress
 from saguaro_vllm.worker.drafter_states import DISABLED, LATE, READY, RESTARTING, STARTING, STATES  # noqa: F401
 from saguaro_vllm.worker.metrics import SaguaroMetrics
 from saguaro_vllm.shared.transport import (
@@ -55,7 +57,7 @@ from saguaro_vllm.shared.transport import (
 
 SERVER_MODULE = "saguaro_vllm.drafter.server"
 KILL_GRACE_S = 1.0  # SIGTERM -> SIGKILL
-BUSY_CPU_FRACTION = 0.02  # a late drafter using less CPU than this share of a second is hung
+BUSY_CPU_FRACTION = 0.02  # less CPU than this share of a second, with no runnable thread: hung
 RECV_SLICE_S = 0.05  # how often a waiting step checks that the drafter process still lives
 
 
@@ -180,8 +182,8 @@ class DrafterClient:
         code = self.proc.poll()
         return None if code is None else _exited(code)
 
-    def _probe(self) -> tuple[str, float] | None:
-        """The drafter process's run state and CPU seconds (`process_progress`)."""
+    def _probe(self) -> Progress | None:
+        """The drafter process's run state, CPU seconds and runnable threads (`process_progress`)."""
         return process_progress(self.proc.pid)
 
     def _reap(self) -> None:
@@ -308,7 +310,7 @@ class DrafterClient:
             self._lost(f"did not answer step {late['step']} within {self.step_timeout_s:g} s "
                        "(saguaro.step_timeout_s)")
         elif now - late["probed"] >= 1.0 and not self._busy(late):
-            self._lost(f"stopped working on step {late['step']} (no CPU progress): it is hung")
+            self._lost(f"stopped working on step {late['step']} (no CPU progress, no runnable thread): it is hung")
 
     def _answered_late(self, msg: StepResponse | None) -> None:
         late, self._late = self._late, None
@@ -319,13 +321,13 @@ class DrafterClient:
                          late["step"], self.clock() - late["sent"])
 
     def _busy(self, late: dict) -> bool:
-        """Did the drafter use CPU since the last probe (it is computing, not stopped or deadlocked)?"""
+        """Is the drafter still working on the late step (`drafter_policy.is_working`: computing, or runnable
+        and waiting for a CPU), not stopped or deadlocked?"""
         probe = self._probe()
         now = self.clock()
-        busy = probe is not None and probe[0] not in "TtZX" and \
-            probe[1] - late["cpu"] >= BUSY_CPU_FRACTION * (now - late["probed"])
+        busy = is_working(late["cpu"], probe, now - late["probed"], BUSY_CPU_FRACTION)
         if probe is not None:
-            late["cpu"] = probe[1]
+            late["cpu"] = probe.cpu_s
         late["probed"] = now
         return busy
 
@@ -421,7 +423,7 @@ class DrafterClient:
 
     def _missed_deadline(self, req, sent, limit, tokens, max_bytes, max_frames, probe) -> None:
         late = {"step": req.step, "sent": sent, "tokens": tokens, "max_bytes": max_bytes, "max_frames": max_frames,
-                "cpu": probe[1] if probe else 0.0, "probed": sent}
+                "cpu": probe.cpu_s if probe else 0.0, "probed": sent}
         if self.step_timeout_s > limit and self._busy(late):
             self._late = late
             self._set_state(LATE)
@@ -430,4 +432,4 @@ class DrafterClient:
                 "is computing; steps go on without drafts until it answers (at most saguaro.step_timeout_s = "
                 "%g s)", req.step, limit, self.step_timeout_s)
         else:
-            self._lost(f"did not answer step {req.step} within {limit:.2f} s and is not computing: it is hung")
+            self._lost(f"did not answer step {req.step} within {limit:.2f} s and is not computing (no CPU progress, no runnable thread): it is hung")

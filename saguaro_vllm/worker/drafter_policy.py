@@ -12,15 +12,15 @@ with an injected clock:
 - `ResyncBackoff`: a request resynced `strikes` times within `window_steps` steps is not sent for 8, 16,
   32 ... steps (the proposer counts its `propose` calls), so one pathological request cannot cost a full
   resend every step.
-- `process_progress`: the kernel's view of a process (run state, CPU seconds), to tell a hung drafter from a
-  busy one.
+- `process_progress` / `is_working`: the kernel's view of a process (run state, CPU seconds, runnable
+  threads), to tell a hung drafter from a busy or CPU-starved one.
 """
 from __future__ import annotations
 
 import collections
 import os
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -129,13 +129,50 @@ class ResyncBackoff:
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def process_progress(pid: int) -> tuple[str, float] | None:
-    """(run state letter, CPU seconds used) of `pid` from /proc (Linux), None where unknown. State `T`
-    (stopped) and a CPU time that does not advance mark a process that is not working on our request."""
+class Progress(NamedTuple):
+    """The kernel's view of a process: its main thread's run state letter, CPU seconds used by all its
+    threads, and whether any of its threads is runnable (state `R`: running or waiting for a CPU)."""
+    state: str
+    cpu_s: float
+    runnable: bool
+
+
+def process_progress(pid: int) -> Progress | None:
+    """`Progress` of `pid` from /proc (Linux), None where unknown."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
-    return fields[0], (int(fields[11]) + int(fields[12])) / _TICKS
+    fields = _stat_fields(stat)
+    runnable = fields[0] == "R"
+    if not runnable:  # a computing process may wait in its main thread on worker threads (OpenMP, torch)
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            tids = []
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    if _stat_fields(f.read())[0] == "R":
+                        runnable = True
+                        break
+            except OSError:  # the thread ended meanwhile
+                continue
+    return Progress(fields[0], (int(fields[11]) + int(fields[12])) / _TICKS, runnable)
+
+
+def _stat_fields(stat: str) -> list[str]:
+    return stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
+
+
+def is_working(before_cpu_s: float, now: Progress | None, seconds: float, min_cpu_fraction: float) -> bool:
+    """Is a drafter that has not answered still working on the request, from two looks `seconds` apart?
+
+    Stopped (`T`, `t`), dead (`Z`, `X`) or gone: no. Used at least `min_cpu_fraction` of a CPU since the
+    last look: yes. Used less but has a runnable thread: yes, it is waiting for a CPU on an oversubscribed
+    machine (a starved drafter is slow, not hung; `step_timeout_s` still bounds it). Otherwise (every thread
+    asleep, no progress: deadlocked, or blocked on something that will not come): no."""
+    if now is None or now.state in "TtZX":
+        return False
+    return now.cpu_s - before_cpu_s >= min_cpu_fraction * seconds or now.runnable
