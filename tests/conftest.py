@@ -38,6 +38,25 @@ def served(tiny_pair, tmp_path_factory) -> dict:
     return run_servers(tiny_pair, tmp_path_factory.mktemp("serve"))
 
 
+@pytest.fixture(scope="session")
+def pair128k(tmp_path_factory):
+    """The peaked target and its draft at vocabulary 128256 (real_vocab.py), shared by test_real_vocab.py and
+    test_tp.py."""
+    from real_vocab import build_peaked_pair
+
+    return build_peaked_pair(tmp_path_factory.mktemp("vocab-128256"), 128256)
+
+
+@pytest.fixture(scope="session")
+def plain128k(pair128k):
+    """Plain vLLM (TP=1, no speculation) at vocabulary 128256: the reference of test_real_vocab.py's Saguaro
+    engines and of test_tp.py's TP=2 ones (their greedy `b64` and T=1 `t1` jobs are the same jobs)."""
+    from engine_runs import run_engine
+    from real_vocab import ENGINE, greedy_jobs, t1_job
+
+    return run_engine(pair128k[0], [*greedy_jobs(128256), t1_job(128256)], engine_kwargs={**ENGINE, "seed": 0})
+
+
 # ---- tests that hold only on the CPU build of vLLM ------------------------------------------------------------
 CPU_BUILD_ONLY_REASON = "holds only on the CPU build of vLLM (this is a CUDA build)"
 

@@ -8,6 +8,9 @@ several times faster on 2 cores; the Saguaro drafter still runs in its own proce
     runs = run_engine(target, jobs=[Job("batch", prompts, {"temperature": 0, "max_tokens": 32})],
                       speculative_config={...})
     runs["batch"].token_ids, runs["batch"].spec.accepted
+
+With `trace_verification=True` each job also returns how its verification steps ran (`JobResult.ranks`, one
+`verify_trace.RankPaths` per worker rank: batch size, drafted rows, path, accepts and rejections per step).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from distribution import ENV_DEFAULTS, EngineRunError, SpecCounters, _spec_counters
+from verify_trace import RankPaths
 
 ENGINE_DEFAULTS: dict[str, Any] = {
     "dtype": "float32", "enforce_eager": True, "max_model_len": 512, "max_num_seqs": 32,
@@ -60,6 +64,8 @@ class JobResult:
     completions: list[list[list[int]]] = dataclasses.field(default_factory=list)
     #: steps each of Saguaro's shortcuts around vLLM's code served during this job (patches.SHORTCUT_STEPS)
     shortcuts: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: per worker rank, this job's verification steps (`run_engine(trace_verification=True)`, else empty)
+    ranks: list[RankPaths] = dataclasses.field(default_factory=list)
 
     def counter(self, prefix: str) -> float:
         """Sum over labels of a Saguaro counter's growth in this job, e.g. `counter("vllm:saguaro_cache_hits")`."""
@@ -68,10 +74,11 @@ class JobResult:
 
 def run_engine(model: str, jobs: list[Job], *, speculative_config: dict | None = None,
                engine_kwargs: dict | None = None, env: dict | None = None,
-               timeout_s: float = 600.0, log_path: Path | None = None) -> dict[str, JobResult]:
+               timeout_s: float = 600.0, log_path: Path | None = None,
+               trace_verification: bool = False) -> dict[str, JobResult]:
     """`log_path`: also keep the engine's log there (it is otherwise only shown when the engine fails)."""
     keep_log = log_path
-    request = {"model": str(model), "speculative_config": speculative_config,
+    request = {"model": str(model), "speculative_config": speculative_config, "trace": trace_verification,
                "engine_kwargs": {**ENGINE_DEFAULTS, **(engine_kwargs or {})},
                "jobs": [dataclasses.asdict(j) for j in jobs]}
     with tempfile.TemporaryDirectory(prefix="saguaro-engine-") as tmp:
@@ -87,7 +94,8 @@ def run_engine(model: str, jobs: list[Job], *, speculative_config: dict | None =
             raise EngineRunError(proc.returncode, log_path.read_text()[-8000:])
         result = json.loads(out_path.read_text())
     return {name: JobResult(r["token_ids"], r["texts"], SpecCounters(**r["spec"]), r["seconds"], r["saguaro"],
-                            r["saguaro_delta"], r["prefix_cache_hits"], r["completions"], r["shortcuts"])
+                            r["saguaro_delta"], r["prefix_cache_hits"], r["completions"], r["shortcuts"],
+                            [RankPaths.of(d) for d in r["ranks"]])
             for name, r in result.items()}
 
 
@@ -107,10 +115,15 @@ def _main(request: dict[str, Any]) -> dict[str, Any]:
 
     llm = LLM(model=request["model"], speculative_config=request["speculative_config"],
               **request["engine_kwargs"])
+    if request["trace"]:
+        from verify_trace import install_verify_trace, paths_delta, read_verify_paths
+
+        llm.collective_rpc(install_verify_trace)
     results: dict[str, Any] = {}
     for job in request["jobs"]:
         if job.get("before"):
             subprocess.run(job["before"], check=True, timeout=300)
+        paths_before = llm.collective_rpc(read_verify_paths) if request["trace"] else []
         before = _spec_counters(llm.get_metrics())
         hits_before = _prefix_cache_hits(llm.get_metrics())
         before_saguaro = saguaro_samples()
@@ -135,6 +148,8 @@ def _main(request: dict[str, Any]) -> dict[str, Any]:
             "saguaro_delta": {k: v - before_saguaro.get(k, 0.0) for k, v in after_saguaro.items()
                               if k.split("{")[0].endswith("_total")},
             "shortcuts": {k: v - shortcuts_before.get(k, 0) for k, v in SHORTCUT_STEPS.items()},
+            "ranks": [paths_delta(b, a) for b, a in zip(paths_before, llm.collective_rpc(read_verify_paths))]
+            if request["trace"] else [],
         }
     return results
 

@@ -4,96 +4,42 @@
 Every other engine test uses vocabularies of 24 to 4096 tokens; here the drafter's logits, candidate
 selection, proposal q' and the proposal ring carry real-sized rows. Greedy outputs equal plain vLLM's at
 batch 1 and 64, for a prompt of 3000 tokens, and with `n` = 3 at top-k 1 (sampled rows whose every
-completion is the argmax path); at T=1 the output distribution equals plain
-vLLM's, checked on a peaked target (below) so that a modest sample has power, with the paths asserted:
-drafts accepted and rejected, cache hits and misses, steps at more than one depth. SSD runs with
+completion is the argmax path); at T=1 the output distribution equals plain vLLM's at batch 64 (1000
+requests of 5 tokens, 64 in flight: `max_num_seqs`), checked on a peaked target (real_vocab.py) so that a
+modest sample has power. The paths are asserted step by step (verify_trace.py): steps of 64 rows whose sampled
+drafts were verified against Saguaro's q, with accepts and rejections among those rows, and in `async` cache
+hits and misses among them and steps at more than one depth. SSD runs with
 `fallback: "off"`: on one CPU core this pair's glue and candidate selection over 128k-token rows cost more
 than its verification saves, so the fallback would draft as `sync` does and leave the paths above untested
 (the fallback itself: tests/test_e2e_greedy.py, tests/test_fallback.py).
 
-The models are tiny random Llamas (2 layers, hidden 64) built here, one pair per vocabulary, shared by the
-module's engines. The target is peaked: its LM head is zero except for 32 "live" tokens spread over the whole
-vocabulary (ids up to vocab-1), whose logits have a spread of about 6, so a context's best live token takes
-about half the probability mass, a few others most of the rest, and the ~128k dead tokens share what is
-left (pooled by the chi-square test). The draft is the target with one layer fewer and a perturbed LM head.
+The 128256 pair and the plain engine's run are session fixtures (conftest.py), shared with tests/test_tp.py.
 """
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from distribution import EXACT_P, build_tiny_llama, compare
-from engine_runs import Job, run_engine
+from distribution import EXACT_P, compare
+from engine_runs import run_engine
+from real_vocab import ENGINE, build_peaked_pair, greedy_jobs, t1_job
+from verify_trace import totals
 
 pytestmark = pytest.mark.engine
 
 K = 4
-LIVE = 32
-MAX_MODEL_LEN = 3200
-LONG_PROMPT = 3000
-SAMPLES = 1000
-ENGINE = {"skip_tokenizer_init": True, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 64,
-          "enable_prefix_caching": False}
+#: the `t1` job's verification steps of 64 rows with sampled drafts verified against q, and their drafted rows:
+#: at least this many (measured: 53-58 steps, 2565-2745 rows over the whole job, ~90 % of them at batch 64)
+AT64_MIN_STEPS = 16
+AT64_MIN_ROWS = 256
 
 
-def build_peaked_pair(root: Path, vocab: int) -> tuple[Path, Path]:
-    """Target (2 layers) and draft (1 layer, perturbed head) with the peaked LM head described above."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    gen = torch.Generator().manual_seed(vocab)
-    live = torch.cat([torch.tensor([vocab - 1, vocab - 2, 65535, 65536]),
-                      torch.randperm(vocab - 2, generator=gen)[: LIVE - 4]])
-    paths = []
-    for name, layers, noise in (("target", 2, 0.0), ("draft", 1, 0.6)):
-        path = build_tiny_llama(root / name, vocab_size=vocab, num_layers=layers, hidden_size=64, num_heads=2,
-                                seed=0, max_positions=MAX_MODEL_LEN + 64)
-        file = path / "model.safetensors"
-        state = load_file(str(file))
-        if name == "target":
-            head = torch.randn(vocab, 64, generator=gen) * 0.002  # dead tokens: logits ~ +-0.016, no exact ties
-            head[live] = torch.randn(LIVE, 64, generator=gen) * 0.75  # live: |h| = 8 after RMSNorm -> sd ~6
-            target_head = head
-            target_state = state
-        else:  # the target's embedding and first layer, a noisy copy of its head
-            state = {k: v for k, v in target_state.items() if ".layers.1." not in k}
-            head = target_head.clone()
-            head[live] += torch.randn(LIVE, 64, generator=gen) * 0.75 * noise
-        state["lm_head.weight"] = head.contiguous()
-        save_file(state, str(file), metadata={"format": "pt"})
-        paths.append(path)
-    return paths[0], paths[1]
+def _jobs(vocab: int, sampled: bool) -> list:
+    return [*greedy_jobs(vocab), t1_job(vocab)] if sampled else greedy_jobs(vocab)
 
 
-def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, vocab - 1, length).tolist() for _ in range(n)]
-
-
-def _jobs(vocab: int, sampled: bool) -> list[Job]:
-    greedy = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
-    jobs = [
-        Job("b1", _prompts(vocab, 2, 12, 1), greedy, sequential=True),
-        Job("b64", _prompts(vocab, 64, 10, 2), greedy),
-        Job("long", _prompts(vocab, 1, LONG_PROMPT, 3), {**greedy, "max_tokens": 16}),
-        # n > 1 needs sampling; top-k 1 makes every completion the argmax path (sampled rows, top-k in q')
-        Job("n3", _prompts(vocab, 2, 8, 4), {**greedy, "temperature": 1.0, "top_k": 1, "n": 3}),
-    ]
-    if sampled:
-        jobs.append(Job("t1", [[5, 17, vocab - 3, 101, 9]] * SAMPLES,
-                        {"temperature": 1.0, "max_tokens": 5, "ignore_eos": True}))
-    return jobs
-
-
-def _saguaro(draft: Path, **options) -> dict:
+def _saguaro(draft, **options) -> dict:
     return {"method": "saguaro", "model": str(draft), "num_speculative_tokens": K, "saguaro": options}
-
-
-@pytest.fixture(scope="module")
-def pair128k(tmp_path_factory):
-    return build_peaked_pair(tmp_path_factory.mktemp("vocab-128256"), 128256)
 
 
 @pytest.fixture(scope="module")
@@ -102,20 +48,16 @@ def pair152k(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain128k(pair128k):
-    return run_engine(pair128k[0], _jobs(128256, sampled=True), engine_kwargs={**ENGINE, "seed": 0})
-
-
-@pytest.fixture(scope="module")
 def async128k(pair128k):
     return run_engine(pair128k[0], _jobs(128256, sampled=True), engine_kwargs={**ENGINE, "seed": 1},
-                      speculative_config=_saguaro(pair128k[1], mode="async", depth="auto", fallback="off"))
+                      speculative_config=_saguaro(pair128k[1], mode="async", depth="auto", fallback="off"),
+                      trace_verification=True)
 
 
 @pytest.fixture(scope="module")
 def sync128k(pair128k):
     return run_engine(pair128k[0], _jobs(128256, sampled=True), engine_kwargs={**ENGINE, "seed": 2},
-                      speculative_config=_saguaro(pair128k[1], mode="sync"))
+                      speculative_config=_saguaro(pair128k[1], mode="sync"), trace_verification=True)
 
 
 @pytest.fixture(scope="module")
@@ -138,12 +80,25 @@ def _assert_greedy_equal(plain, run) -> None:
     assert run["n3"].spec.drafts > 0
 
 
-def _assert_t1_distribution(plain, run) -> None:
+def _assert_t1_distribution(plain, run, mode: str) -> None:
+    """The distribution, then the path: steps of 64 rows whose sampled drafts were verified against q, with
+    accepts and rejections among their rows."""
     a, b = (np.asarray(r["t1"].token_ids) for r in (plain, run))
     pvalues = compare(a, b, positions=(0, 1, 2, 3, 4), joints=((1, 2),))
     assert min(pvalues.values()) > EXACT_P, pvalues
     spec = run["t1"].spec
     assert spec.accepted > 0 and spec.accepted < spec.draft_tokens, spec  # accepted and rejected drafts
+    (rank,) = run["t1"].ranks
+    at64 = totals(rank.select("q", batch=64))
+    assert at64["steps"] >= AT64_MIN_STEPS and at64["drafted"] >= AT64_MIN_ROWS, (at64, rank.paths())
+    assert 0 < at64["accepted"] < at64["draft_tokens"] and at64["rejected"] > 0, at64
+    if mode == "sync":
+        assert rank.paths() == {"q": len(rank.steps)}, rank.paths()  # every sampled draft verified against q
+        return
+    assert at64["hits"] > 0 and at64["misses"] > 0, at64
+    for step in rank.steps:  # q for sampled drafts; without q only steps whose drafts are all n-gram ones
+        assert (step.path == "q" and step.sampled > 0) or (step.path == "onehot" and step.sampled == 0
+                                                            and step.ngram > 0), step
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -161,7 +116,7 @@ def test_greedy_equals_plain_vllm_at_vocab_151936(plain152k, async152k):
 
 
 def test_async_t1_distribution_at_vocab_128256(plain128k, async128k):
-    _assert_t1_distribution(plain128k, async128k)
+    _assert_t1_distribution(plain128k, async128k, "async")
     t1 = async128k["t1"]
     assert t1.counter("vllm:saguaro_cache_hits") > 0, t1.saguaro_delta
     assert t1.counter("vllm:saguaro_backups") > 0, t1.saguaro_delta  # misses
@@ -172,7 +127,7 @@ def test_async_t1_distribution_at_vocab_128256(plain128k, async128k):
 
 
 def test_sync_t1_distribution_at_vocab_128256(plain128k, sync128k):
-    _assert_t1_distribution(plain128k, sync128k)
+    _assert_t1_distribution(plain128k, sync128k, "sync")
 
 
 def test_async_gauges_and_histograms_are_exported(async128k):
@@ -192,3 +147,4 @@ def test_async_gauges_and_histograms_are_exported(async128k):
     # C = 1 (the default): the scale sum is exactly the count of sampled drafts
     sampled = async128k["t1"].counter("vllm:saguaro_sampled_drafts")
     assert sampled > 0 and async128k["t1"].counter("vllm:saguaro_sampled_drafts_scale") == sampled
+

@@ -4,6 +4,7 @@ every worker rank committed (test helper, not a test).
 Each worker records, after every step, the committed token ids of every request in its batch
 (`input_batch.token_ids_cpu[i, :num_tokens_no_spec[i]]`, the tokens the next step's input is built from);
 the recorder is installed per runner instance through `collective_rpc`, so no vLLM code is patched for it.
+Each job also returns, per rank, the path every verification step took (verify_trace.py).
 
     runs, ranks = run_tp_engine(target, [Job("t1", prompts, {"temperature": 1.0, "max_tokens": 5})],
                                 engine_kwargs={"tensor_parallel_size": 2}, speculative_config={...})
@@ -25,6 +26,7 @@ import numpy as np
 
 from distribution import ENV_DEFAULTS, EngineRunError, SpecCounters, _spec_counters
 from engine_runs import Job
+from verify_trace import RankPaths, install_verify_trace, paths_delta, read_verify_paths
 
 ENGINE_DEFAULTS: dict[str, Any] = {
     "dtype": "float32", "enforce_eager": True, "max_model_len": 64, "max_num_seqs": 256,
@@ -39,6 +41,7 @@ class TPJobResult:
     spec: SpecCounters  # vLLM's spec-decode counters, this job only
     seconds: float
     saguaro_delta: dict[str, float]  # growth of each Saguaro counter in this job
+    ranks: list[RankPaths]  # per worker rank: how each of this job's verification steps ran there
 
     @property
     def tokens(self) -> np.ndarray:
@@ -98,7 +101,7 @@ def run_tp_engine(model: str, jobs: list[Job], *, speculative_config: dict | Non
             raise EngineRunError(proc.returncode, log_path.read_text()[-8000:])
         result = json.loads(out_path.read_text())
     runs = {name: TPJobResult(r["token_ids"], r["request_ids"], SpecCounters(**r["spec"]), r["seconds"],
-                              r["saguaro_delta"])
+                              r["saguaro_delta"], [RankPaths.of(d) for d in r["ranks"]])
             for name, r in result["jobs"].items()}
     return runs, result["ranks"]
 
@@ -109,14 +112,16 @@ def _main(request: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(model=request["model"], speculative_config=request["speculative_config"], seed=request["seed"],
               **request["engine_kwargs"])
     llm.collective_rpc(record_committed_tokens)
+    llm.collective_rpc(install_verify_trace)
 
     def saguaro_samples() -> dict[str, float]:
         return llm.collective_rpc(read_saguaro_samples)[0]  # rank 0: the rank that talks to the drafter
     results: dict[str, Any] = {}
     for job in request["jobs"]:
         before, before_saguaro = _spec_counters(llm.get_metrics()), saguaro_samples()
+        paths_before = llm.collective_rpc(read_verify_paths)
         params = job["params"] if isinstance(job["params"], list) else [job["params"]] * len(job["prompts"])
-        sps = [SamplingParams(ignore_eos=True, detokenize=False, **p) for p in params]
+        sps = [SamplingParams(**{"ignore_eos": True, "detokenize": False, **p}) for p in params]
         prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
         start = time.monotonic()
         if job["sequential"]:
@@ -131,6 +136,7 @@ def _main(request: dict[str, Any]) -> dict[str, Any]:
             "spec": {k: after[k] - before[k] for k in after}, "seconds": seconds,
             "saguaro_delta": {k: v - before_saguaro.get(k, 0.0) for k, v in after_saguaro.items()
                               if k.split("{")[0].endswith("_total")},
+            "ranks": [paths_delta(b, a) for b, a in zip(paths_before, llm.collective_rpc(read_verify_paths))],
         }
     return {"jobs": results, "ranks": llm.collective_rpc(read_committed_tokens)}
 

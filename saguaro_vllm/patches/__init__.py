@@ -32,6 +32,9 @@ SUPPORTED_INSTALL = "pip install 'vllm>=0.32,<0.34' (or 'saguaro-vllm[gpu]'; on 
 #: verifications without copies, "draft_probs_view": q handed over in place): engine tests read it to
 #: assert that the path they check really ran.
 SHORTCUT_STEPS: collections.Counter = collections.Counter()
+#: Steps in which this process kept TP rank 0's sampled tokens (`tp_sampling.py`): "sent" on rank 0, "received"
+#: on the other ranks (each rank is its own process: engine tests read it per rank through `collective_rpc`).
+TP_RANK0_TOKEN_STEPS: collections.Counter = collections.Counter()
 
 #: Modules of this package whose patches `apply_all` applies, in order.
 PATCH_MODULES = ("spec_config", "cli_args", "model_runner", "cpu_sampling", "tp_sampling", "greedy_rejection",

@@ -15,13 +15,16 @@ The broadcast is a collective, so whether it happens is decided from data every 
 drafter, TP > 1, draft tokens scheduled this step, and a batch that is not all greedy (greedy rows are
 verified by argmax, the same on every rank). Pipeline parallelism needs nothing more: only the last
 stage samples, and its TP group is the group used.
+
+Each rank counts the steps it took rank 0's tokens in (`TP_RANK0_TOKEN_STEPS`: "sent" on rank 0, "received" on
+the others), so that a test can tell which path every rank took.
 """
 from __future__ import annotations
 
 import functools
 from typing import Any
 
-from saguaro_vllm.patches import vllm_patch
+from saguaro_vllm.patches import TP_RANK0_TOKEN_STEPS, vllm_patch
 
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 
@@ -49,6 +52,7 @@ def wrap_sample(original):
         tp = get_tp_group()
         if needs_rank0_tokens(self, spec_decode_metadata, tp.world_size):
             tp.broadcast(sampler_output.sampled_token_ids, src=0)
+            TP_RANK0_TOKEN_STEPS["sent" if tp.rank_in_group == 0 else "received"] += 1
         return sampler_output
 
     return _sample
