@@ -35,10 +35,18 @@ soaked `sync`-like serving. That load is still `--clients 64 --temperatures 0,0,
 
 `--full` is the soak of issue 44: the embedded pair (below), 4 clients, temperatures 0,0,0,0,0,0.7,1, a quarter
 of the requests not streamed, a tenth closed mid-stream, a tenth with n > 1, a tenth near max_model_len,
-a SIGKILL and a SIGSTOP alternating every 360 s (five faults in 30 minutes: the default restart budget,
-`saguaro.max_restarts` 5, refills only after 10 healthy minutes), the greedy replay, a warm-up of
-min(120 s, duration / 6), and `saguaro.fallback: off`: every round pre-drafts, so SSD's machinery (branches,
-speculation cache, branch KV blocks) runs on every step for the whole soak. With the default (`auto`) on the
+a SIGKILL and a SIGSTOP alternating every 360 s (five faults in 30 minutes), the greedy replay, a warm-up of
+min(120 s, duration / 6), `saguaro.max_restarts: 50` and `saguaro.fallback: off`.
+
+The restart budget: the default, 5, refills only after 10 healthy minutes, so the five faults spend it, and a
+first 30-minute run with it lost it earlier to 3 replacements the plugin made on its own (each judging hung a
+drafter that got no CPU time during a deadline of 1-1.4 s on the shared machine; the next run's /proc samples
+show such drafters runnable, state R) and served without speculation from its third fault on
+(benchmarks/results/2026-12-07-soak-default-budget.json). With 50 the soak keeps speculating and lists every
+such replacement (`unexpected_replacements`: the plugin's log line and the process's last /proc samples).
+
+`fallback: off`: every round pre-drafts, so SSD's machinery (branches, speculation cache, branch KV blocks)
+runs on every step for the whole soak. With the default (`auto`) on the
 2-core machine shared with other test runs (load average ~8), a 3-minute run with 6 clients and 60 % greedy
 requests pre-drafted 16 % of its rounds (the rest drafted as `sync` does: pre-drafting measured no faster
 there) and hit 0.07; with `off` 0.11, the drafter skipping the branch steps of 65 % of the rounds (their
@@ -56,6 +64,7 @@ on docs/benchmarks.md and docs/troubleshooting.md by benchmarks/report.py.
     .venv/bin/python benchmarks/soak.py --full --duration 180 --fault-every 60 --name soak-debug   # 3 minutes
     .venv/bin/python benchmarks/soak.py --temperatures 0 --name soak-greedy-reference   # greedy only
     .venv/bin/python benchmarks/soak.py --model T --draft D      # another pair
+    .venv/bin/python benchmarks/soak.py --replot benchmarks/results/<date>-soak.json   # its plot again
 
 Model: `--model/--draft`, else `--models embedded`: a tiny pair from `tests/distribution.build_embedded_pair`
 (the draft, hidden 32 and 2 layers, embedded in a wider target that computes the same function, so
@@ -112,7 +121,7 @@ SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP}
 #: What `--full` chooses (issue 44's soak); options given beside it win.
 FULL = {"models": "embedded", "clients": 4, "temperatures": [0.0] * 5 + [0.7, 1.0], "stream_share": 0.75,
         "cancel_share": 0.1, "n_share": 0.1, "long_share": 0.1, "compare_greedy": True, "fault_every": 360.0,
-        "fallback": "off"}
+        "fallback": "off", "max_restarts": 50}
 #: Tokens left to max_model_len by a prompt near it (`--long-share`), drawn per request.
 LONG_ROOM = (2, 8, 16, 64)
 #: Word ids of such prompts for the word-level tokenizer: below this (`w2`-`w999`).
@@ -166,6 +175,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault-every", type=float, default=None,
                    help="a SIGKILL and a SIGSTOP alternating every this many seconds, the first at half of it")
     p.add_argument("--no-kill", action="store_true", help="no drafter fault (a reference run)")
+    p.add_argument("--plain", action="store_true",
+                   help="no speculative config at all (a reference for the memory of vLLM's own processes under "
+                        "the same traffic); implies --no-kill and no greedy replay")
     p.add_argument("--stream-share", type=_share, default=1.0, help="share of the requests streamed (default 1)")
     p.add_argument("--cancel-share", type=_share, default=0.0,
                    help="share of the streamed requests the client closes after 1-8 chunks (default 0)")
@@ -202,6 +214,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if pre.parse_known_args(argv)[0].full:
         p.set_defaults(**FULL)
     a = p.parse_args(argv)
+    if a.plain:
+        a.no_kill, a.compare_greedy = True, False
     if (a.model is None) != (a.draft is None):
         p.error("--model and --draft go together")
     if a.duration <= 0 or a.clients <= 0:
@@ -540,6 +554,69 @@ def memory_sample(server) -> tuple[dict[str, float], dict[str, dict]]:
     return {k: round(v, 1) for k, v in sorted(roles.items())}, procs
 
 
+class DrafterWatch:
+    """Every `every_s`, each drafter process's run state and CPU seconds (from /proc/<pid>/stat, what the plugin's
+    hang probe reads) and the machine's runnable tasks (/proc/loadavg), the last `keep` samples per process. When
+    a drafter is replaced without a scheduled fault, its last seconds tell a starved process (state R, little
+    CPU) from a blocked (S, D) or a stopped or traced (T, t) one."""
+
+    def __init__(self, start: float, every_s: float = 0.1, keep: int = 80):
+        import collections
+        import threading
+
+        self.start, self.every_s = start, every_s
+        self.pids: set[int] = set()
+        self.history: dict[int, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=keep))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="drafter-watch")
+        self._thread.start()
+
+    def watch(self, pids: list[int]) -> None:
+        self.pids |= set(pids)  # a process is read until it is gone
+
+    def _run(self) -> None:
+        ticks = os.sysconf("SC_CLK_TCK")
+        while not self._stop.wait(self.every_s):
+            try:
+                running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+            except (OSError, ValueError, IndexError):
+                running = None
+            for pid in list(self.pids):
+                try:
+                    stat = Path(f"/proc/{pid}/stat").read_text()
+                except OSError:
+                    self.pids.discard(pid)
+                    continue
+                fields = stat[stat.rindex(")") + 2:].split()
+                self.history[pid].append((round(time.monotonic() - self.start, 2), fields[0],
+                                          round((int(fields[11]) + int(fields[12])) / ticks, 2), running))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+def unexpected_replacements(polls: list[dict], faults: list[dict], watch: DrafterWatch | None,
+                            warnings: list[str]) -> list[dict]:
+    """Drafters that went away without a scheduled fault (the plugin restarted them on its own: a crash, or a
+    step it judged hung), with the plugin's own log line for each and their last /proc samples
+    (`DrafterWatch`): [t, state, CPU seconds, runnable tasks on the machine]."""
+    victims = {k["pid"] for k in faults}
+    seen: dict[int, float] = {}
+    for p in polls:
+        for pid in p["drafters"]:
+            seen[pid] = p["t"]
+    last_t = polls[-1]["t"] if polls else 0.0
+    out = []
+    for pid, t in seen.items():
+        if pid in victims or t >= last_t:  # a scheduled fault's victim, or alive at the end
+            continue
+        line = next((w for w in warnings if f"(pid {pid})" in w), None)
+        hist = list(watch.history.get(pid, [])) if watch is not None else []
+        out.append({"pid": pid, "last_seen_s": t, "log": line, "last_samples": [list(x) for x in hist[-40:]]})
+    return out
+
+
 def others_cpu_s() -> dict[int, tuple[str, float]]:
     """CPU seconds used so far by every process on the machine (to count what others used during the run)."""
     import psutil
@@ -620,6 +697,7 @@ async def soak(a: argparse.Namespace, server, model_name: str, prompts: list[str
                                              tuple(a.temperatures), mix, long_prompts, start))
              for i in range(a.clients)]
     bar = tqdm(total=int(a.duration), unit="s", desc="soak", dynamic_ncols=True)
+    watch = DrafterWatch(start)
     pending_faults = list(a.faults)
     next_dashboard = 0.0
     while time.monotonic() < stop_at:
@@ -627,6 +705,7 @@ async def soak(a: argparse.Namespace, server, model_name: str, prompts: list[str
         now = time.monotonic() - start
         m, state, samples = await asyncio.to_thread(scrape, server)
         drafters = [p.pid for role, p in server.processes() if role == "drafter"]
+        watch.watch(drafters)
         polls.append({"t": round(now, 2), "requests": len(done), "tokens": sum(r["tokens"] for r in done),
                       "errors": len(errors), "drafts": m.get(SAGUARO_DRAFT_TOKENS, 0.0), "state": state,
                       "restarts": m.get(RESTARTS), "failures": m.get(FAILURES, 0.0), "drafters": drafters,
@@ -669,8 +748,9 @@ async def soak(a: argparse.Namespace, server, model_name: str, prompts: list[str
     final, _, samples = await asyncio.to_thread(scrape, server)
     events["dashboard"].append({"t": round(time.monotonic() - start, 2), "samples": dashboard_sample(samples),
                                 "after_drain": True})
+    watch.stop()
     return {"done": done, "errors": errors, "polls": polls, "events": events, "start": start, "traffic_s": traffic_s,
-            "drain_s": drain_s, "metrics": final, "cpu_seen": seen}
+            "drain_s": drain_s, "metrics": final, "cpu_seen": seen, "watch": watch}
 
 
 def recovery(polls: list[dict], kill: dict | None, done: list[dict], start: float,
@@ -776,11 +856,23 @@ def process_memory(samples: list[dict], from_t: float | None, faults: list[dict]
     return out
 
 
-def drafter_memory(samples: list[dict], kills: list[dict], warmup_s: float, settle_s: float) -> list[dict]:
+def ready_times(polls: list[dict]) -> dict[int, float]:
+    """When each drafter process was first seen with the client `ready` (it loaded and reported Ready): a
+    replacement the plugin started on its own, without a scheduled fault, has its own time here."""
+    out: dict[int, float] = {}
+    for p in polls:
+        if p.get("state") == "ready" and p["drafters"] and p["drafters"][0] not in out:
+            out[p["drafters"][0]] = p["t"]
+    return out
+
+
+def drafter_memory(samples: list[dict], kills: list[dict], warmup_s: float, settle_s: float,
+                   ready_at: dict[int, float] | None = None) -> list[dict]:
     """Each drafter process's own resident memory, first sample to last of the span measured: the first
     drafter from the warm-up to its last sample before the kill, every replacement from its first sample at
     least `settle_s` after it was ready (it builds its oneDNN shapes and writes its KV cache before it reports
-    ready) to its last one. Comparing two processes would measure the restart, not a leak."""
+    ready; `ready_at`, else the fault before it plus that fault's ready time) to its last one. Comparing two
+    processes would measure the restart, not a leak."""
     pids: list[int] = []
     for x in samples:
         if x.get("drafter_pid") is not None and "drafter" in x["mb"] and x["drafter_pid"] not in pids:
@@ -795,6 +887,10 @@ def drafter_memory(samples: list[dict], kills: list[dict], warmup_s: float, sett
             never = bool(prior) and "ready_after_s" in prior[-1] and prior[-1]["ready_after_s"] is None
             ready = (prior[-1]["at_s"] + (prior[-1].get("ready_after_s") or 0.0)) if prior else own[0]["t"]
             t0, since = ready + settle_s, f"{settle_s:.0f} s after it was ready at {ready:.0f} s"
+            if ready_at is not None:
+                never = pid not in ready_at
+                ready = ready_at.get(pid, ready)
+                t0, since = ready + settle_s, f"{settle_s:.0f} s after it was ready at {ready:.0f} s"
             if never:  # still loading when the traffic ended: nothing to measure
                 t0, since = float("inf"), "never ready during the traffic"
         # a faulty process's samples end at its fault (a stopped one lives on until the plugin kills it, and
@@ -814,7 +910,8 @@ def drafter_memory(samples: list[dict], kills: list[dict], warmup_s: float, sett
     return out
 
 
-def memory_growth(events: dict, warmup_s: float, kills: list[dict] | None = None, settle_s: float = 15.0) -> dict:
+def memory_growth(events: dict, warmup_s: float, kills: list[dict] | None = None, settle_s: float = 15.0,
+                  ready_at: dict[int, float] | None = None) -> dict:
     """Resident memory growth per role from the sample after the warm-up to the end (< 5 % each).
 
     Every drafter process (the first one and each replacement) is measured over its own life
@@ -826,7 +923,7 @@ def memory_growth(events: dict, warmup_s: float, kills: list[dict] | None = None
     samples = events.get("memory_samples", [])
     start, end = events.get("memory_start", {}), events["memory_end"]
     begin = {role: (start.get("t"), mb) for role, mb in start.get("mb", {}).items()}
-    drafters = drafter_memory(samples, kills or [], warmup_s, settle_s)
+    drafters = drafter_memory(samples, kills or [], warmup_s, settle_s, ready_at)
     notes = {}
     if "drafter" in begin:
         last = drafters[-1] if drafters else None
@@ -1068,15 +1165,15 @@ def plot(result: dict, path: Path) -> None:
         ts, mbs = zip(*pts)
         line, = ax_mem.plot(ts, mbs, label=label, lw=1.2)
         measured = [(t, v) for t, v in pts if p["from_t_s"] <= t <= p["to_t_s"]]  # the span its growth is from
-        if len(measured) >= 2:
+        if len(measured) >= 2 and p.get("growth") is not None:
             base = measured[0][1]
             ax_rel.plot([t for t, _ in measured], [100 * (v - base) / base for _, v in measured], lw=1.2,
                         color=line.get_color(), label=label)
     ax_mem.set(ylabel="resident MB", yscale="log", title=f"{result['_file'] if '_file' in result else result['name']}"
                f": memory per process (sampled every ~5 s)")
     ax_mem.legend(fontsize=7, ncol=3)
-    ax_rel.set(ylabel="% of the first measured sample", title="each process over the span its growth is measured "
-               "on (from the warm-up; a replacement drafter from its settle time; a faulty one to its fault)")
+    ax_rel.set(ylabel="% of its first measured sample",
+               title="RSS change of each process over its measured span (drafters: from settled to their fault)")
     ax_rel.axhline(100 * MEMORY_GROWTH_LIMIT, color="grey", ls=":", lw=1)
     ax_rel.axhline(-100 * MEMORY_GROWTH_LIMIT, color="grey", ls=":", lw=1)
     ax_rel.axvline(m.get("start_t_s") or 0, color="grey", ls="--", lw=1)
@@ -1095,6 +1192,11 @@ def plot(result: dict, path: Path) -> None:
                 ax.axvspan(k["at_s"], k["at_s"] + k["recovered_after_s"], color=color, alpha=0.15)
         ax_hit.annotate(k.get("signal", "SIGKILL"), (k["at_s"], 1.0), fontsize=7, color=color, rotation=90,
                         va="top", ha="right")
+    for r in result.get("unexpected_replacements") or []:  # the plugin's own restarts, not scheduled
+        for ax in (ax_mem, ax_rel, ax_hit):
+            ax.axvline(r["last_seen_s"], color="grey", ls=":", lw=1)
+        ax_hit.annotate("replaced by the plugin", (r["last_seen_s"], 0.02), fontsize=6, color="grey",
+                        rotation=90, va="bottom", ha="right")
     lines = ax_hit.get_legend_handles_labels()[0] + ax_tok.get_legend_handles_labels()[0]
     ax_hit.legend(lines, [ln.get_label() for ln in lines], fontsize=7, loc="lower left")
     fig.tight_layout()
@@ -1141,9 +1243,9 @@ def main(argv: list[str] | None = None) -> int:
         prom.mkdir()
         log = Path(a.keep_log) if a.keep_log else tmp / "server.log"
         max_n = 3 if a.n_share else 1
-        args = ["--speculative-config", str(tmp / "saguaro.json"), "--served-model-name", "soak", "--dtype",
-                "float32", "--max-model-len", str(a.max_model_len), "--enforce-eager", "--max-num-seqs",
-                str(max(a.clients * max_n, 1))]
+        args = ([] if a.plain else ["--speculative-config", str(tmp / "saguaro.json")]) + [
+            "--served-model-name", "soak", "--dtype", "float32", "--max-model-len", str(a.max_model_len),
+            "--enforce-eager", "--max-num-seqs", str(max(a.clients * max_n, 1))]
         env = {"PROMETHEUS_MULTIPROC_DIR": str(prom),
                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         print(f"[soak] {which} pair: {target} / {draft}; {a.clients} clients for {a.duration:g} s, "
@@ -1169,7 +1271,11 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
         log_text = log.read_text(errors="replace")
         log_tail = [ln for ln in log_text.splitlines() if "Saguaro" in ln][-30:]
-        tracebacks = log_text.count("Traceback (most recent call last)")
+        # every line of the plugin's above INFO, and its restarts and recoveries
+        warnings = [ln for ln in log_text.splitlines() if "Saguaro" in ln and (
+            " WARNING " in ln or " ERROR " in ln or "drafter back" in ln or "budget refilled" in ln)]
+        # vLLM logs its output handler's EngineDeadError while the server stops: only those before count
+        tracebacks = log_text.split("shutdown triggered", 1)[0].count("Traceback (most recent call last)")
         greedy = None
         if a.compare_greedy:
             print(f"[soak] replaying {sum('greedy' in r for r in run['done'])} greedy requests through plain vLLM",
@@ -1198,7 +1304,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "name": a.name,
         "command": " ".join(["benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])]),
         "machine": machine_info(), "models": which, "target": target, "draft": draft,
-        "settings": {"duration_s": a.duration, "clients": a.clients, "k": a.k, "mode": "async",
+        "settings": {"duration_s": a.duration, "clients": a.clients, "k": a.k, "mode": "plain" if a.plain else "async",
                      "kill_at_s": a.kill_at, "stop_at_s": a.stop_at, "faults": [list(f) for f in a.faults],
                      "max_model_len": a.max_model_len, "temperatures": a.temperatures,
                      "greedy_share": round(sum(t == 0 for t in a.temperatures) / len(a.temperatures), 3),
@@ -1212,12 +1318,14 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summarize(run["done"], run["traffic_s"]),
         "errors": len(run["errors"]), "error_samples": run["errors"][:20],
         "kills": kills,
+        "unexpected_replacements": unexpected_replacements(run["polls"], kill_events, run["watch"], warnings),
+        "speculation_disabled_at_s": next((p["t"] for p in run["polls"] if p["state"] == "disabled"), None),
         "greedy_check": greedy,
         "speculation": speculation(run["metrics"]) | {
             "hit_rate_windows": hit_rates(run["polls"], kills, a.warmup_s),
             "predraft_share": dashboard_summary(dashboard).get("predraft_share"),
             "branch_steps_skipped_share": dashboard_summary(dashboard).get("branch_steps_skipped_share")},
-        "memory": {**memory_growth(run["events"], a.warmup_s, kills, a.drafter_settle_s),
+        "memory": {**memory_growth(run["events"], a.warmup_s, kills, a.drafter_settle_s, ready_times(run["polls"])),
                    "kill_jumps": kill_jumps(run["events"], kills)},
         "load": {"loadavg_before": load_before, "loadavg_after": load_after,
                  "loadavg_1min_during": {"mean": round(statistics.fmean(x[1] for x in run["events"]["loadavg"]), 2),
@@ -1225,13 +1333,14 @@ def main(argv: list[str] | None = None) -> int:
                  if run["events"].get("loadavg") else None,
                  "other_processes_cpu_s": dict(sorted(others.items(), key=lambda kv: -kv[1])[:15]),
                  "other_cpu_s_total": round(sum(others.values()), 1)},
-        "server_log_tracebacks": tracebacks,
+        "server_log_tracebacks_before_stop": tracebacks,
         "time_series": time_series(run["polls"]),
         "dashboard": {"every_s": a.dashboard_every, "summary": dashboard_summary(dashboard), "samples": dashboard},
         "timeline": [{k: p.get(k) for k in ("t", "requests", "tokens", "errors", "drafts", "restarts", "state",
                                             "lookups", "hits", "generated")}
                      for p in run["polls"]],
         "log_excerpt": log_tail,
+        "saguaro_warnings": warnings[:200],
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     if not a.no_plot:
@@ -1254,5 +1363,10 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--replay":
         replay_worker(sys.argv[2], sys.argv[3])
+        sys.exit(0)
+    if len(sys.argv) == 3 and sys.argv[1] == "--replot":  # the PNG again from a result file, e.g. after a plot change
+        path = Path(sys.argv[2])
+        done = json.loads(path.read_text())
+        plot(done | {"_file": path.name}, path.with_name(done.get("plot") or path.with_suffix(".png").name))
         sys.exit(0)
     sys.exit(main())

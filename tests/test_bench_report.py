@@ -233,7 +233,7 @@ def test_soak_fault_schedule_and_the_full_preset():
     assert a.faults == [(30.0, "SIGKILL"), (60.0, "SIGSTOP")]
     full = soak.parse_args(["--full", "--duration", "1800"])
     assert full.models == "embedded" and full.compare_greedy and full.clients == 4 and full.warmup_s == 120
-    assert full.fallback == "off" and soak.parse_args([]).fallback is None
+    assert full.fallback == "off" and full.max_restarts == 50 and soak.parse_args([]).fallback is None
     assert [sig for _, sig in full.faults] == ["SIGKILL", "SIGSTOP"] * 2 + ["SIGKILL"]  # within max_restarts 5
     assert soak.parse_args(["--full", "--clients", "2", "--duration", "180"]).clients == 2  # given options win
     assert soak.parse_args(["--full", "--duration", "180"]).warmup_s == 30
@@ -322,6 +322,31 @@ def test_soak_sigstop_recovery_trend_and_processes():
                                for t in range(0, 61)], every_s=30)
     assert [(w["from_t_s"], w["to_t_s"], w["hit_rate"], w["tokens_per_s"]) for w in series] == [
         (0, 30, 0.5, 10.0), (30, 60, 0.5, 10.0)]
+
+
+def test_soak_replacements_the_plugin_made_on_its_own():
+    """A drafter that went away without a scheduled fault is listed with the plugin's log line and its last /proc
+    samples, and is measured from its own ready time (not from the fault before it)."""
+    soak = _soak()
+    polls = [{"t": t, "state": st, "drafters": dr} for t, st, dr in [
+        (1, "ready", [5]), (2, "ready", [5]), (3, "restarting", []), (9, "ready", [6]), (10, "restarting", []),
+        (20, "ready", [7]), (30, "ready", [7])]]
+    assert soak.ready_times(polls) == {5: 1, 6: 9, 7: 20}
+
+    class Watch:
+        history = {6: [(9.5, "R", 1.0, 9), (10.0, "R", 1.0, 12)]}
+
+    log = ["(Worker pid=1) WARNING ... Saguaro: drafter (pid 6) did not answer step 3 within 1.00 s and is not "
+           "computing: it is hung; restarting it in 1 s (restart 2 of 5); steps go on without drafts"]
+    got = soak.unexpected_replacements(polls, [{"t": 2.5, "pid": 5, "signal": "SIGKILL"}], Watch(), log)
+    assert got == [{"pid": 6, "last_seen_s": 9, "log": log[0], "last_samples": [[9.5, "R", 1.0, 9], [10.0, "R", 1.0, 12]]}]
+    line = report.replacement_line(got[0])
+    assert "is not computing: it is hung" in line and "state R, 0.00 CPU-seconds, 9-12 runnable tasks" in line
+    samples = [{"t": t, "drafter_pid": pid, "mb": {"drafter": mb}} for t, pid, mb in [
+        (1, 5, 900.0), (2, 5, 900.0), (15, 7, 200.0), (25, 7, 1000.0), (30, 7, 1001.0), (40, 7, 1002.0)]]
+    d = soak.drafter_memory(samples, [{"at_s": 2.5, "ready_after_s": 6.5, "killed_pid": 5}], 0, 5,
+                            soak.ready_times(polls))
+    assert (d[1]["from_t_s"], d[1]["start_mb"], d[1]["growth"]) == (25, 1000.0, 0.002)  # its own ready at 20 s
 
 
 def test_ratio_interval_separates_real_differences_from_noise():
