@@ -306,19 +306,147 @@ def load_latest_soak() -> dict | None:
     return max(found, key=lambda d: d["date"]) if found else None
 
 
+def soak_mix(st: dict) -> str:
+    """The traffic beyond the base mix (benchmarks/soak.py's shares), in words; '' for a result without it."""
+    parts = []
+    if st.get("stream_share") is not None and st["stream_share"] < 1:
+        parts.append(f"{100 * (1 - st['stream_share']):.0f} % of the requests not streamed")
+    if st.get("cancel_share"):
+        parts.append(f"{100 * st['cancel_share']:.0f} % of the streams closed by the client after 1-8 chunks")
+    if st.get("n_share"):
+        parts.append(f"{100 * st['n_share']:.0f} % of the sampled requests with n = 2 or 3")
+    if st.get("long_share"):
+        room = st.get("long_room_tokens") or []
+        parts.append(f"{100 * st['long_share']:.0f} % of the prompts leaving "
+                     + (f"{min(room)}-{max(room)} tokens" if room else "a few tokens")
+                     + f" of max_model_len {st['max_model_len']}")
+    return "; ".join(parts)
+
+
+def fault_line(kill: dict) -> str:
+    """One drafter fault of a soak and what it cost, from its result entry."""
+    back, ready, gone = kill["recovered_after_s"], kill.get("ready_after_s"), kill.get("gone_after_s")
+    sig = kill.get("signal", "SIGKILL")
+    states = " -> ".join(f"{st} ({t:+.0f} s)" for t, st in kill.get("states") or [] if st)
+    reasons = ", ".join(f"{r} {n:.0f}" for r, n in (kill.get("failures_by_reason") or {}).items())
+    return (f"- drafter {sig} at {kill['at_s']:.0f} s with {kill.get('requests_in_flight', '?')} requests in "
+            f"flight (their longest wait between two chunks: {fmt(kill.get('in_flight_max_chunk_gap_s'))} s); "
+            + ("" if gone is None or sig == "SIGKILL" else f"the stopped process gone after {gone:.1f} s; ")
+            + f"restarts counted on /metrics: {fmt(kill['restarts'], '.0f', dash='none (no such metric)')}, steps "
+            f"without drafts counted as failures: {fmt(kill['failed_steps'], '.0f')}"
+            + (f" ({reasons})" if reasons else "") + "; new drafter ready after "
+            + ("-" if ready is None else f"{ready:.1f} s") + ", drafts flowing again after "
+            + ("**never**" if back is None else f"{back:.1f} s")
+            + (f"; client states: {states}" if states else ""))
+
+
+def greedy_line(g: dict | None) -> list[str]:
+    """The greedy replay's outcome (benchmarks/soak.py --compare-greedy); nothing for a result without one."""
+    if not g:
+        return []
+    gap = g.get("least_top2_gap")
+    return [f"- greedy outputs against plain vLLM ({g.get('plain_engine', 'no speculation')}): "
+            f"{g['compared']} of {g['greedy_requests']} greedy requests compared token for token "
+            f"({g['compared_as_prefix']} streams the client closed, as prefixes; {g['tokens_compared']} tokens; "
+            f"{g['distinct_requests_replayed']} distinct requests replayed): **{g['mismatches']} mismatches** "
+            f"(must be 0: {'met' if g['mismatches'] == 0 and g['compared'] == g['greedy_requests'] else '**not met**'})"
+            + (f"; the least gap between the plain engine's top two logprobs over the compared tokens: {gap:.2g}"
+               if gap is not None else "")]
+
+
+def growth_misses(m: dict) -> str:
+    """What fails a soak's growth criterion: the roles and drafters over 5 %, and the drafters not measured."""
+    over = [f"{role} {100 * g:+.1f} %" for role, g in m["growth"].items() if role != "drafter" and g >= 0.05]
+    over += [f"drafter {d['pid']} {100 * d['growth']:+.1f} %" for d in m.get("drafters") or []
+             if d["growth"] is not None and d["growth"] >= 0.05]
+    short = sum(d["growth"] is None for d in m.get("drafters") or [])
+    return "; ".join(([", ".join(over)] if over else [])
+                     + ([f"{short} drafter{'s' if short > 1 else ''} ran too short to be measured"] if short else []))
+
+
+def fitted_change(p: dict) -> float | None:
+    """A process's fitted RSS change over its measured span, relative to its first measured sample (None where
+    no trend was fitted: too few samples, or a drafter not measured)."""
+    if p.get("trend_mb_per_h") is None or not p.get("start_mb") or p.get("growth") is None:
+        return None
+    return p["trend_mb_per_h"] * (p["to_t_s"] - p["from_t_s"]) / 3600 / p["start_mb"]
+
+
+def replacement_line(r: dict) -> str:
+    """A drafter the plugin replaced on its own during a soak (benchmarks/soak.py `unexpected_replacements`): its
+    log line's reason and what /proc said of it over its last sampled second and a half."""
+    reason = (r.get("log") or "").split("Saguaro: ", 1)[-1].split("; restarting", 1)[0].split("; gave up", 1)[0]
+    hist = r.get("last_samples") or []
+    evidence = ""
+    if hist:
+        end = hist[-1][0]
+        window = [h for h in hist if h[0] >= end - 1.5]
+        states = "".join(sorted({h[1] for h in window}))
+        cpu = window[-1][2] - window[0][2]
+        run = [h[3] for h in window if h[3] is not None]
+        evidence = (f"; /proc over its last {end - window[0][0]:.1f} s: state {states}, {cpu:.2f} CPU-seconds"
+                    + (f", {min(run)}-{max(run)} runnable tasks on the machine" if run else ""))
+    return f"  - pid {r['pid']}, last seen at {r['last_seen_s']:.0f} s: {reason or 'no log line'}{evidence}"
+
+
+def soak_companions(data: dict) -> list[dict]:
+    """Other soak results of the same day (`<date>-soak-<label>.json`: a reference or an earlier run)."""
+    day = data["_file"][:10]
+    out = []
+    for path in sorted(RESULTS.glob(f"{day}-soak-*.json")):
+        d = json.loads(path.read_text())
+        if "summary" in d and path.name != data["_file"]:
+            out.append(d | {"_file": path.name})
+    return out
+
+
+def companion_line(d: dict) -> str:
+    """One line on another soak result of the day."""
+    s, m, sp = d["summary"], d["memory"], d["speculation"]
+    g = d.get("greedy_check")
+    worker = m["growth"].get("worker")
+    plain = d["settings"].get("mode") == "plain"
+    disabled = d.get("speculation_disabled_at_s")
+    if disabled is None:  # results written before that field: from the client states polled each second
+        disabled = next((p["t"] for p in d.get("timeline") or [] if p.get("state") == "disabled"), None)
+    return (f"- `benchmarks/results/{d['_file']}` (`{d['command']}`"
+            + ("" if plain else f", Saguaro `{json.dumps(d['settings'].get('saguaro') or {'mode': 'async'})}`")
+            + f"): {s['requests']} requests over "
+            f"{d['settings']['duration_s']:g} s, {d['errors']} errors"
+            + (f", {g['mismatches']} greedy mismatches in {g['compared']}" if g else "")
+            + ("" if plain else f", hit rate {fmt(sp.get('cache_hit_rate'), '.3f')}")
+            + (f", speculation disabled at {disabled:.0f} s (restart budget spent)" if disabled is not None else "")
+            + ("; no speculative config: vLLM alone under the same traffic" if plain else "")
+            + (f"; worker RSS {m['start_mb']['worker']:.0f} -> {m['end_mb']['worker']:.0f} MB "
+               f"({100 * worker:+.1f} %, {fmt((m.get('trend_mb_per_h') or {}).get('worker'), '+.0f')} MB/h) from "
+               f"{m['start_t_s']:.0f} s to {m['end_t_s']:.0f} s" if worker is not None else ""))
+
+
+def soak_plot_link(data: dict) -> list[str]:
+    """The soak's plot (written beside its result by benchmarks/soak.py), where it exists."""
+    name = data.get("plot")
+    if not name or not (RESULTS / name).exists():
+        return []
+    return ["", f"![memory per process, hit rate and tokens/s over time, drafter faults](../benchmarks/results/{name})"]
+
+
 def soak_section(data: dict) -> list[str]:
-    """Figures of benchmarks/soak.py: traffic, errors, the drafter kill, memory per process, other load."""
+    """Figures of benchmarks/soak.py: traffic, errors, the drafter faults, greedy equality, hit rate, memory per
+    process, the dashboard's metrics, other load."""
     s, st, m, load = data["summary"], data["settings"], data["memory"], data["load"]
     kills = data.get("kills") or ([data["kill"]] if data.get("kill") else [])  # "kill": results before 12-04
     ms = lambda f: fmt(None if f is None else 1e3 * f, ".1f")  # noqa: E731
+    mix = soak_mix(st)
     out = ["## Soak", "",
            f"- command: `{data['command']}` (result {result_link(data['_file'])})",
-           f"- {st['clients']} concurrent streaming clients for {st['duration_s']:g} s against `vllm serve` on "
-           f"127.0.0.1, Saguaro `mode: async`, K={st['k']}; models: {data['models']} (`{model_dir(data['target'])}` / "
+           f"- {st['clients']} concurrent clients for {st['duration_s']:g} s against `vllm serve` on "
+           f"127.0.0.1, Saguaro `{json.dumps(st.get('saguaro') or {'mode': 'async'})}`, K={st['k']}; models: "
+           f"{data['models']} (`{model_dir(data['target'])}` / "
            f"`{model_dir(data['draft'])}`); temperatures {list(st['temperatures'])} (drawn per request"
            + (f": {100 * st['greedy_share']:.0f} % greedy" if st.get("greedy_share") is not None else "")
            + f"), max_tokens {list(st['lengths'])}, stop "
-           "by length (ignore_eos), EOS, stop strings or stop token ids; a quarter of the requests are chats",
+           "by length (ignore_eos), EOS, stop strings or stop token ids; a quarter of the requests are chats"
+           + (f"; {mix}" if mix else ""),
            f"- machine: {data['machine']['cpu']}, {data['machine']['cpus']} cores; load average "
            f"{load['loadavg_before'][0]:.1f} before, "
            + (f"{load['loadavg_1min_during']['mean']:.1f} on average during the run (max "
@@ -329,55 +457,101 @@ def soak_section(data: dict) -> list[str]:
            f"| {s['requests']} | {data['errors']} | {fmt(s['tokens_per_s'], '.1f')} | "
            f"{fmt(s['latency_s']['p50'])} / {fmt(s['latency_s']['p99'])} | {fmt(s['ttft_s']['p50'])} / "
            f"{fmt(s['ttft_s']['p99'])} | {ms(s['tpot_s']['p50'])} / {ms(s['tpot_s']['p99'])} |", ""]
+    if "streamed_requests" in s:
+        out += ["| greedy | sampled | streamed | not streamed | closed mid-stream | n > 1 (choices in all) | "
+                "near max_model_len | chats |", "|---:|---:|---:|---:|---:|---:|---:|---:|",
+                f"| {s['greedy_requests']} | {s['sampled_requests']} | {s['streamed_requests']} | "
+                f"{s['non_streamed_requests']} | {s['cancelled_requests']} | {s['n_gt_1_requests']} ({s['choices']}) | "
+                f"{s['long_prompt_requests']} | {s['chat_requests']} |", ""]
     gap = s.get("max_chunk_gap_s")
     if gap:
         out += [f"- longest wait between two chunks of one stream: p50 {fmt(gap['p50'])} s, p99 {fmt(gap['p99'])} s, "
                 f"max {fmt(gap['max'])} s"]
-    for kill in kills:
-        back, ready = kill["recovered_after_s"], kill.get("ready_after_s")
-        states = " -> ".join(f"{st} ({t:+.0f} s)" for t, st in kill.get("states") or [] if st)
-        out += [f"- drafter SIGKILL at {kill['at_s']:.0f} s with {kill.get('requests_in_flight', '?')} requests in "
-                f"flight (their longest wait between two chunks: {fmt(kill.get('in_flight_max_chunk_gap_s'))} s); "
-                f"restarts counted on /metrics: {fmt(kill['restarts'], '.0f', dash='none (no such metric)')}, steps "
-                f"without drafts counted as failures: {fmt(kill['failed_steps'], '.0f')}; new drafter ready after "
-                + ("-" if ready is None else f"{ready:.1f} s") + ", drafts flowing again after "
-                + ("**never**" if back is None else f"{back:.1f} s")
-                + (f"; client states: {states}" if states else "")]
+    out += [fault_line(kill) for kill in kills]
+    extra = data.get("unexpected_replacements")
+    if extra is not None:
+        out += [f"- drafters the plugin replaced on its own (no scheduled fault): {len(extra)}"
+                + (" (the plugin's reason and the process's last /proc samples):" if extra else "")]
+        out += [replacement_line(r) for r in extra]
+    if data.get("speculation_disabled_at_s") is not None:
+        out += [f"- speculation **disabled** at {data['speculation_disabled_at_s']:.0f} s (the restart budget, "
+                f"`saguaro.max_restarts` {st.get('saguaro', {}).get('max_restarts', 5)}, spent)"]
+    if data.get("server_log_tracebacks_before_stop") is not None:
+        out += [f"- tracebacks in the server log before its stop: {data['server_log_tracebacks_before_stop']}"]
+    out += greedy_line(data.get("greedy_check"))
     sp = data["speculation"]
+    hw = sp.get("hit_rate_windows") or {}
+    labelled = (("before the first fault", hw.get("before_kill")),
+                ("after the last replacement's drafts flowed", hw.get("after_recovery")))
     windows = [f"{label} {fmt(w['hit_rate'], '.3f')} ({w['from_t_s']:.0f}-{w['to_t_s']:.0f} s, {w['lookups']:.0f} "
-               "lookups)" for label, w in (("before the kill", (sp.get("hit_rate_windows") or {}).get("before_kill")),
-                                           ("after the replacement's drafts flowed",
-                                            (sp.get("hit_rate_windows") or {}).get("after_recovery"))) if w]
+               "lookups)" for label, w in labelled if w]
+    between = [f"{fmt(w['hit_rate'], '.3f')} after the {w['after']}" for w in hw.get("between_faults") or [] if w]
     out += [f"- speculation over the run: acceptance rate {fmt(sp['acceptance_rate'])}, mean acceptance length "
             f"{fmt(sp['mean_acceptance_length'])}, speculation-cache hit rate {fmt(sp['cache_hit_rate'], '.3f')}"
-            + (f"; {', '.join(windows)}" if windows else ""),
+            + (f"; {', '.join(windows)}" if windows else "")
+            + (f"; from each recovery to the next fault: {', '.join(between)}" if len(between) > 1 else "")
+            + (f"; rounds that pre-drafted: {100 * sp['predraft_share']:.0f} % (the rest drafted as `sync` does)"
+               if sp.get("predraft_share") is not None else "")
+            + (f", {100 * sp['branch_steps_skipped_share']:.0f} % of them without their branch steps (their expected "
+               "saving below the lateness they cause: `predraft_skipped_total`)"
+               if sp.get("branch_steps_skipped_share") is not None else ""),
             f"- errors must be 0: {'met' if data['errors'] == 0 else '**not met**'}; resident memory growth < 5 % "
-            f"for every process: {'met' if m['ok'] else '**not met**'}"
-            + ("" if m.get("all_drafters_measured", True) else " (a drafter ran too short to be measured)"), "",
-            "| process | measured from - to s | RSS MB at start | RSS MB at end | growth |",
-            "|---|---:|---:|---:|---:|"]
+            f"(first to last measured sample) for every process: {'met' if m['ok'] else '**not met**'}"
+            + ("" if m["ok"] else f" ({growth_misses(m)})"), "",
+            "| process | measured from - to s | RSS MB at start | RSS MB at end | growth | trend MB/h |",
+            "|---|---:|---:|---:|---:|---:|"]
     drafters = m.get("drafters")
+    trend = m.get("trend_mb_per_h") or {}
     for role, start in m["start_mb"].items():
         if role == "drafter" and drafters is not None:
             continue  # one row per drafter process below
         g = m["growth"].get(role)
         out.append(f"| {role} | {fmt(m['start_t_s'], '.0f')} - {fmt(m['end_t_s'], '.0f')} | {start:.0f} | "
-                   f"{fmt(m['end_mb'].get(role), '.0f')} | {'-' if g is None else f'{100 * g:+.1f} %'} |")
+                   f"{fmt(m['end_mb'].get(role), '.0f')} | {'-' if g is None else f'{100 * g:+.1f} %'} | "
+                   f"{fmt(trend.get(role), '+.1f')} |")
     for d in drafters or []:
         span = ("not measured (ran too short)" if d["from_t_s"] is None
                 else f"{d['from_t_s']:.0f} - {d['to_t_s']:.0f}")
         g = d["growth"]
         out.append(f"| drafter, {d['which']} (pid {d['pid']}) | {span} | {fmt(d['start_mb'], '.1f')} | "
-                   f"{fmt(d['end_mb'], '.1f')} | {'-' if g is None else f'{100 * g:+.1f} %'} |")
+                   f"{fmt(d['end_mb'], '.1f')} | {'-' if g is None else f'{100 * g:+.1f} %'} | "
+                   f"{fmt(d.get('trend_mb_per_h'), '+.1f')} |")
+    procs = m.get("processes")
+    if procs:
+        out += ["", "Every process of the server's tree, sampled every ~5 s (RSS from the warm-up sample, or its "
+                "own first sample if it started later; a drafter over the span measured above, to its last sample "
+                "before its fault; `fitted`: the least-squares trend times that span, over the first sample, which "
+                "a transient peak in the last sample does not move; `cores`: CPU time over its sampled life):", "",
+                "| pid | role | alive s | measured s | RSS MB first / last | least / most | growth | trend MB/h | "
+                "fitted | cores |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for pid, p in sorted(procs.items(), key=lambda kv: (kv[1]["role"], kv[1]["alive_t_s"][0])):
+            growth = "-" if p["growth"] is None else f"{100 * p['growth']:+.1f} %"
+            fitted = fitted_change(p)
+            out.append(f"| {pid} | {p['role']} | {p['alive_t_s'][0]:.0f} - {p['alive_t_s'][1]:.0f} | "
+                       f"{p['from_t_s']:.0f} - {p['to_t_s']:.0f} | "
+                       f"{p['start_mb']:.1f} / {p['end_mb']:.1f} | {p['min_mb']:.1f} / {p['max_mb']:.1f} | {growth} | "
+                       f"{fmt(p['trend_mb_per_h'], '+.1f')} | {'-' if fitted is None else f'{100 * fitted:+.1f} %'} | "
+                       f"{fmt(p['cores'], '.2f')} |")
+        fitted = {pid: fitted_change(p) for pid, p in procs.items()}
+        over = [f"{procs[pid]['role']} {pid} ({100 * f:+.1f} %)" for pid, f in fitted.items()
+                if f is not None and abs(f) >= 0.05]
+        out += ["", f"- fitted change under 5 % over its measured span for every process measured "
+                f"({sum(f is not None for f in fitted.values())} of {len(fitted)}): "
+                + ("met" if not over else "**not met**: " + ", ".join(over))]
     jumps = m.get("kill_jumps") or []
     if jumps:
-        out += [""] + [f"- memory across the kill at {j['at_s']:.0f} s (sample at {j['from_t_s']:.0f} s to "
+        out += [""] + [f"- memory across the fault at {j['at_s']:.0f} s (sample at {j['from_t_s']:.0f} s to "
                        f"{j['to_t_s']:.0f} s): " + ", ".join(f"{role} {mb:+.0f} MB" for role, mb in j["mb"].items())
                        for j in jumps]
+    out += soak_dashboard_lines(data.get("dashboard"))
+    out += soak_plot_link(data)
+    companions = soak_companions(data)
+    if companions:
+        out += ["", "Other soak runs of the day:", ""] + [companion_line(d) for d in companions]
     others = load.get("other_cpu_s_total") or 0.0
     out += ["", f"Growth is measured from the first sample {fmt(st.get('warmup_s'), '.0f')} s into the run: vLLM's "
-            "CPU target worker creates one oneDNN primitive per new batch shape while traffic is young, so its RSS "
-            "climbs for the first minutes and then levels (docs/troubleshooting.md, Memory). "
+            "CPU target worker creates oneDNN primitives per new batch shape, so its RSS climbs while traffic shows "
+            "it new shapes (docs/troubleshooting.md, Memory). "
             + ("Each drafter process is measured over its own life: the first from the warm-up to its last sample "
                "before the kill, a replacement from its first sample "
                f"{fmt(st.get('drafter_settle_s'), '.0f')} s after it was ready (it builds its oneDNN shapes and "
@@ -390,7 +564,49 @@ def soak_section(data: dict) -> list[str]:
     return out
 
 
-TROUBLESHOOTING = ROOT / "docs" / "troubleshooting.md"
+#: Dashboard counters a soak's section names (docs/metrics.md), by their sample name's start.
+SOAK_COUNTERS = ("vllm:saguaro_drafter_restarts_total", "vllm:saguaro_drafter_failures_total",
+                 "vllm:saguaro_rounds_total", "vllm:saguaro_backups_total", "vllm:saguaro_rows_undrafted_total",
+                 "vllm:saguaro_predraft_skipped_total", "vllm:saguaro_predraft_cut_short_total",
+                 "vllm:saguaro_rows_no_room_total", "vllm:saguaro_branches_dropped_total",
+                 "vllm:saguaro_sampled_rows_capped_total")
+
+
+def soak_dashboard_lines(dash: dict | None) -> list[str]:
+    """What the dashboard's metrics (sampled every ~10 s during the soak) ended at, and its gauges' range."""
+    if not dash or not dash.get("summary"):
+        return []
+    sm = dash["summary"]
+    counters = sm.get("counters") or {}
+    named = []
+    for name in SOAK_COUNTERS:
+        got = {k: v for k, v in counters.items() if k.split("{", 1)[0] == name and v}
+        if got:
+            named.append(", ".join(f"`{k.removeprefix('vllm:saguaro_')}` {v:.0f}" for k, v in sorted(got.items())))
+    gauges = sm.get("gauges") or {}
+    shown = [f"`{k.removeprefix('vllm:saguaro_')}` {g['min']:g}-{g['max']:g} (after the drain {g['after_drain']:g})"
+             for k, g in sorted(gauges.items()) if k.startswith(("vllm:saguaro_drafter_requests",
+                                                                 "vllm:saguaro_speculating",
+                                                                 "vllm:saguaro_fanout_budget",
+                                                                 "vllm:saguaro_drafter_free_kv_blocks"))]
+    last = dash["samples"][-1]["samples"] if dash.get("samples") else {}
+    prefix = 'vllm:saguaro_drafter_state{state="'
+    state = next((k[len(prefix):].split('"', 1)[0] for k, v in last.items() if k.startswith(prefix) and v == 1), None)
+    return ["", f"- the dashboard's metrics (`/metrics`, sampled every {dash['every_s']:g} s, {sm['samples']} samples "
+            "in the result): at the end " + ("; ".join(named) or "no Saguaro counter moved")
+            + (f"; gauges over the run: {'; '.join(shown)}" if shown else "")
+            + (f"; the drafter client's state after the drain: `{state}`" if state else "")
+            + (" (the drafter's gauges keep the last drafter's values until a new one reports)"
+               if state in ("restarting", "disabled") else "")]
+
+
+TROUBLESHOOTING = ROOT / "docs" / "dev" / "troubleshooting.md"
+
+
+def _from_dev(line: str) -> str:
+    """A docs/ line's links as seen from docs/dev/ (where the generated soak blocks live)."""
+    return line.replace("](benchmarks.md", "](../benchmarks.md").replace("](../benchmarks/results/",
+                                                                         "](../../benchmarks/results/")
 SOAK_BEGIN = ("<!-- soak:begin (generated by benchmarks/report.py from the newest benchmarks/results/*-soak.json; "
               "edits here are overwritten) -->")
 SOAK_END = "<!-- soak:end -->"
@@ -398,13 +614,13 @@ ROLE_NAMES = {"server": "API server", "engine core": "engine core", "worker": "w
 
 
 def soak_memory_block(data: dict) -> list[str]:
-    """The soak's memory figures for docs/troubleshooting.md (Memory), from the result the benchmarks page shows:
+    """The soak's memory figures for docs/dev/troubleshooting.md (Memory), from the result the benchmarks page shows:
     written between SOAK_BEGIN and SOAK_END by `sync_troubleshooting`, so the page cannot drift from the data."""
     st, m, sp = data["settings"], data["memory"], data["speculation"]
     kills = data.get("kills") or ([data["kill"]] if data.get("kill") else [])
     pct = lambda g: "-" if g is None else f"{100 * g:+.1f} %"  # noqa: E731
     greedy = f", {100 * st['greedy_share']:.0f} % greedy" if st.get("greedy_share") is not None else ""
-    kill_text = "; ".join(f"drafter SIGKILL at {k['at_s']:.0f} s, drafts flowing again after "
+    kill_text = "; ".join(f"drafter {k.get('signal', 'SIGKILL')} at {k['at_s']:.0f} s, drafts flowing again after "
                           + ("never" if k["recovered_after_s"] is None else f"{k['recovered_after_s']:.1f} s")
                           for k in kills) or "no drafter kill"
     roles = [f"{ROLE_NAMES.get(role, role)} {pct(m['growth'].get(role))} ({start:.0f} -> "
@@ -420,10 +636,10 @@ def soak_memory_block(data: dict) -> list[str]:
     if not m.get("drafters"):
         drafters.append("not measured per process in this result (" + (m.get("notes", {}).get("drafter")
                                                                        or "no note") + ")")
-    jumps = "; ".join(f"across the kill at {j['at_s']:.0f} s: " + ", ".join(
+    jumps = "; ".join(f"across the fault at {j['at_s']:.0f} s: " + ", ".join(
         f"{ROLE_NAMES.get(role, role)} {mb:+.0f} MB" for role, mb in j["mb"].items() if role != "other")
         for j in m.get("kill_jumps") or [])
-    return [SOAK_BEGIN,
+    return [SOAK_BEGIN, _from_dev(
             f"- **In the soak** ([benchmarks.md](benchmarks.md#soak), "
             f"{result_link(data['_file'])}: {st['clients']} clients for {st['duration_s']:g} s{greedy}, "
             f"models: {data['models']}; speculation-cache hit rate {fmt(sp.get('cache_hit_rate'), '.3f')}; "
@@ -432,18 +648,82 @@ def soak_memory_block(data: dict) -> list[str]:
             + f"{kill_text}): resident memory growth from the sample {fmt(m['start_t_s'], '.0f')} s into the run to "
             f"the end ({fmt(m['end_t_s'], '.0f')} s): " + ", ".join(roles) + "; the drafters, each over its own "
             "life: " + "; ".join(drafters) + "." + (f" Memory {jumps}." if jumps else "")
-            + f" Growth under 5 % for every process: {'met' if m['ok'] else 'not met'}.",
+            + f" Growth under 5 % for every process: {'met' if m['ok'] else 'not met'}."
+            + (" Fitted change over the measured span (the least-squares trend, which a transient peak in the last "
+               "sample does not move): " + ", ".join(
+                   f"{p['role']} {pid} {100 * fitted_change(p):+.1f} %" for pid, p in m["processes"].items()
+                   if fitted_change(p) is not None and p["role"] != "other") + "." if m.get("processes") else "")
+            + (f" Fitted trends (MB per hour over the measured span): " + ", ".join(
+                f"{ROLE_NAMES.get(role, role)} {v:+.1f}" for role, v in (m.get("trend_mb_per_h") or {}).items()
+                if v is not None and role != "other") + "." if m.get("trend_mb_per_h") else "")
+            + (f" Plot: [{data['plot']}](../benchmarks/results/{data['plot']})." if soak_plot_link(data) else "")),
             SOAK_END]
 
 
+SOAK_FAULTS_BEGIN = ("<!-- soak-faults:begin (generated by benchmarks/report.py from the newest "
+                     "benchmarks/results/*-soak.json; edits here are overwritten) -->")
+SOAK_FAULTS_END = "<!-- soak-faults:end -->"
+
+
+def soak_faults_block(data: dict) -> list[str]:
+    """What the soak's drafter faults cost and what held through them, for docs/dev/troubleshooting.md (When the
+    drafter fails); written between SOAK_FAULTS_BEGIN and SOAK_FAULTS_END by `sync_troubleshooting`."""
+    st, s, sp = data["settings"], data["summary"], data["speculation"]
+    kills = data.get("kills") or ([data["kill"]] if data.get("kill") else [])
+    by_sig: dict[str, list[dict]] = {}
+    for k in kills:
+        by_sig.setdefault(k.get("signal", "SIGKILL"), []).append(k)
+    def span(xs: list[float]) -> str:
+        return "-" if not xs else f"{min(xs):.1f}" if min(xs) == max(xs) else f"{min(xs):.1f}-{max(xs):.1f}"
+
+    parts = []
+    for sig, ks in sorted(by_sig.items()):
+        back = [k["recovered_after_s"] for k in ks if k["recovered_after_s"] is not None]
+        gaps = [k["in_flight_max_chunk_gap_s"] for k in ks if k.get("in_flight_max_chunk_gap_s") is not None]
+        text = (f"{len(ks)} {sig}{'s' if len(ks) > 1 else ''} (at " + ", ".join(f"{k['at_s']:.0f}" for k in ks)
+                + " s): drafts flowing again after " + span(back) + " s"
+                + ("" if len(back) == len(ks) else f" ({len(ks) - len(back)} never)"))
+        if sig == "SIGSTOP":
+            gone = [k["gone_after_s"] for k in ks if k.get("gone_after_s") is not None]
+            text += f", the stopped process killed by the plugin within {span(gone)} s"
+        text += f", longest wait between two chunks of a stream in flight {span(gaps)} s"
+        parts.append(text)
+    mix = soak_mix(st)
+    g = data.get("greedy_check")
+    extra = data.get("unexpected_replacements")
+    if extra:
+        parts.append(f"{len(extra)} drafter{'s' if len(extra) > 1 else ''} replaced by the plugin on its own "
+                     "(no scheduled fault; [benchmarks.md](benchmarks.md#soak) lists why)")
+    if data.get("speculation_disabled_at_s") is not None:
+        parts.append(f"speculation disabled at {data['speculation_disabled_at_s']:.0f} s (restart budget spent)")
+    held = [f"failed requests {data['errors']}"]
+    if g:
+        held.append(f"greedy outputs equal to plain vLLM's token for token in {g['compared'] - g['mismatches']} of "
+                    f"{g['compared']} compared requests ({g['mismatches']} mismatches)")
+    held.append(f"speculation-cache hit rate over the run {fmt(sp.get('cache_hit_rate'), '.3f')}"
+                + (f" ({100 * sp['predraft_share']:.0f} % of the rounds pre-drafted)"
+                   if sp.get("predraft_share") is not None else ""))
+    return [SOAK_FAULTS_BEGIN, _from_dev(
+            f"- **In the soak** ([benchmarks.md](benchmarks.md#soak), `benchmarks/results/{data['_file']}`: "
+            f"{st['clients']} clients through `vllm serve` for {st['duration_s']:g} s, {s['requests']} requests, "
+            f"temperatures {list(st['temperatures'])}" + (f"; {mix}" if mix else "") + f"; models: {data['models']}): "
+            + ("; ".join(parts) or "no drafter fault") + ". Through them: " + ", ".join(held) + "."),
+            SOAK_FAULTS_END]
+
+
 def sync_troubleshooting(data: dict, path: Path = TROUBLESHOOTING) -> bool:
-    """Rewrite the generated soak block of docs/troubleshooting.md; False (page untouched) without markers."""
+    """Rewrite the generated soak blocks of docs/dev/troubleshooting.md (memory; the faults, where its markers are);
+    False (page untouched) without the memory block's markers."""
     text = path.read_text()
     if SOAK_BEGIN not in text or SOAK_END not in text:
         return False
-    head, rest = text.split(SOAK_BEGIN, 1)
-    _, tail = rest.split(SOAK_END, 1)
-    path.write_text(head + "\n".join(soak_memory_block(data)) + tail)
+    for begin, end, block in ((SOAK_BEGIN, SOAK_END, soak_memory_block),
+                              (SOAK_FAULTS_BEGIN, SOAK_FAULTS_END, soak_faults_block)):
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            _, tail = rest.split(end, 1)
+            text = head + "\n".join(block(data)) + tail
+    path.write_text(text)
     return True
 
 

@@ -257,6 +257,134 @@ def test_soak_kill_jumps_compare_each_kill_with_the_settled_replacement():
         soak.parse_args(["--kill-at", "400", "--duration", "300"])
 
 
+def test_soak_fault_schedule_and_the_full_preset():
+    soak = _soak()
+    a = soak.parse_args(["--duration", "1800", "--fault-every", "360"])
+    assert a.faults == [(180.0, "SIGKILL"), (540.0, "SIGSTOP"), (900.0, "SIGKILL"), (1260.0, "SIGSTOP"),
+                        (1620.0, "SIGKILL")]
+    assert a.kill_at == [180.0, 900.0, 1620.0] and a.stop_at == [540.0, 1260.0]
+    a = soak.parse_args(["--stop-at", "50", "--duration", "100"])
+    assert a.faults == [(50.0, "SIGSTOP")] and a.kill_at == []  # a SIGSTOP alone: no default kill beside it
+    a = soak.parse_args(["--kill-at", "30", "--stop-at", "60", "--duration", "100"])
+    assert a.faults == [(30.0, "SIGKILL"), (60.0, "SIGSTOP")]
+    full = soak.parse_args(["--full", "--duration", "1800"])
+    assert full.models == "embedded" and full.compare_greedy and full.clients == 4 and full.warmup_s == 120
+    assert full.fallback == "off" and full.max_restarts == 50 and soak.parse_args([]).fallback is None
+    assert [sig for _, sig in full.faults] == ["SIGKILL", "SIGSTOP"] * 2 + ["SIGKILL"]  # within max_restarts 5
+    assert soak.parse_args(["--full", "--clients", "2", "--duration", "180"]).clients == 2  # given options win
+    assert soak.parse_args(["--full", "--duration", "180"]).warmup_s == 30
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--stop-at", "400", "--duration", "300"])
+
+
+def test_soak_request_mix():
+    """Without a mix the plans are the base ones (same draws); with one: closed streams never near
+    max_model_len and always long enough to be closed mid-way, n > 1 only where sampled, greedy ones recorded."""
+    import random
+
+    soak = _soak()
+    rng = random.Random(3)
+    base = [soak.request_plan(rng, ["a", "b"]) for _ in range(50)]
+    assert all(p["stream"] and p["n"] == 1 and not p["record"] and not p["long"] and p["cancel_after"] is None
+               for p in base)
+    again = random.Random(3)
+    assert [soak.request_plan(again, ["a", "b"], mix={"stream_share": 1.0}) for _ in range(50)] == base
+
+    class Long:
+        def draw(self, rng):
+            return "w5 " * 1000, 1000
+
+    rng = random.Random(0)
+    mix = {"stream_share": 0.7, "cancel_share": 0.3, "n_share": 0.5, "long_share": 0.2, "record": True,
+           "word_stops": True}
+    plans = [soak.request_plan(rng, ["w2 w3"], [0.0, 0.7, 1.0], mix, Long()) for _ in range(2000)]
+    assert {True, False} == {p["stream"] for p in plans}
+    cancelled = [p for p in plans if p["cancel_after"]]
+    assert cancelled and all(p["stream"] and not p["long"] and p["extra"]["ignore_eos"] and "stop" not in p["body"]
+                             and p["body"]["max_tokens"] == soak.LENGTHS[-1] for p in cancelled)
+    assert all(p["body"]["temperature"] > 0 for p in plans if p["n"] > 1) and any(p["n"] > 1 for p in plans)
+    assert all(p["record"] == (p["body"]["temperature"] == 0) for p in plans)
+    assert any(p["long"] for p in plans) and all(p["prompt_len"] == 1000 for p in plans if p["long"])
+    assert all(p["body"]["stop"] in soak.WORD_STOP_STRINGS for p in plans if "stop" in p["body"])
+
+
+def test_soak_greedy_comparison():
+    soak = _soak()
+    start = 100.0
+
+    def rec(prompt, out, cancelled=False, t=10.0):
+        return {"start": start + t, "chat": False, "stream": True, "cancelled": cancelled, "long": False,
+                "greedy": {"prompt_token_ids": prompt, "output_token_ids": out, "max_tokens": 8, "stop": None,
+                           "stop_token_ids": None, "ignore_eos": True, "finish": "length"}}
+
+    done = [rec([1, 2], [5, 6, 7]), rec([1, 2], [5, 6], cancelled=True), rec([3], [9, 9, 4], t=50.0),
+            {"start": start, "chat": False}]  # a sampled request: not compared
+    plain = {soak._replay_key(done[0]["greedy"], 64): {"token_ids": [5, 6, 7], "gaps": [0.5, 2.0, 1.0],
+                                                       "finish": "length"},
+             soak._replay_key(done[2]["greedy"], 64): {"token_ids": [9, 8, 4], "gaps": [3.0, 0.01, 1.0],
+                                                       "finish": "length"}}
+    got = soak.compare_greedy(done, plain, 64, [{"t": 40.0}], start)
+    assert got["greedy_requests"] == 3 and got["compared"] == 3 and got["compared_as_prefix"] == 1
+    assert got["mismatches"] == 1 and got["tokens_compared"] == 8 and got["least_top2_gap"] == 0.01
+    miss = got["mismatch_samples"][0]
+    assert (miss["first_diff_at"], miss["soak_token"], miss["plain_token"], miss["plain_top2_gap"]) == (1, 9, 8, 0.01)
+    assert miss["near_fault"]
+    # max_tokens past max_model_len is capped as the server caps it, so the replay asks what the server did
+    assert json.loads(soak._replay_key(done[0]["greedy"], 6))[1] == 4
+
+
+def test_soak_sigstop_recovery_trend_and_processes():
+    soak = _soak()
+    polls = [{"t": t, "state": st, "drafters": dr, "drafts": d, "restarts": r, "failures": f}
+             for t, st, dr, d, r, f in [(9, "ready", [7], 10, 0, 0), (11, "ready", [7], 10, 0, 0),
+                                        (12, "restarting", [7], 10, 1, 2), (13, "restarting", [], 10, 1, 3),
+                                        (18, "ready", [8], 10, 1, 3), (19, "ready", [8], 14, 1, 3)]]
+    dash = [{"t": 5, "samples": {'vllm:saguaro_drafter_failures_total{reason="timeout"}': 0.0}},
+            {"t": 15, "samples": {'vllm:saguaro_drafter_failures_total{reason="timeout"}': 1.0,
+                                  'vllm:saguaro_drafter_failures_total{reason="restarting"}': 2.0}}]
+    got = soak.recovery(polls, {"t": 10.0, "pid": 7, "signal": "SIGSTOP"}, [], 0.0, dashboard=dash)
+    assert got["signal"] == "SIGSTOP" and got["gone_after_s"] == 3 and got["ready_after_s"] == 8
+    assert got["recovered_after_s"] == 9 and got["new_pid"] == 8 and got["restarts"] == 1
+    assert got["failures_by_reason"] == {"restarting": 2.0, "timeout": 1.0}
+    assert soak.trend_per_h([(0, 100), (1800, 100.5), (3600, 101)]) == 1.0
+    assert soak.trend_per_h([(0, 1), (10, 2), (20, 3)]) is None  # too short a span to fit
+    samples = [{"t": t, "procs": {"1": {"role": "worker", "mb": mb, "cpu_s": t / 2},
+                                  **({"2": {"role": "drafter", "mb": 50.0, "cpu_s": 0.0}} if t >= 60 else {})}}
+               for t, mb in [(0, 90.0), (30, 100.0), (60, 101.0), (90, 102.0)]]
+    procs = soak.process_memory(samples, 30)
+    assert procs["1"]["start_mb"] == 100.0 and procs["1"]["growth"] == 0.02 and procs["1"]["cores"] == 0.5
+    assert procs["2"]["from_t_s"] == 60 and procs["2"]["alive_t_s"] == [60, 90]
+    series = soak.time_series([{"t": t, "lookups": 2 * t, "hits": t, "generated": 10 * t, "requests": t}
+                               for t in range(0, 61)], every_s=30)
+    assert [(w["from_t_s"], w["to_t_s"], w["hit_rate"], w["tokens_per_s"]) for w in series] == [
+        (0, 30, 0.5, 10.0), (30, 60, 0.5, 10.0)]
+
+
+def test_soak_replacements_the_plugin_made_on_its_own():
+    """A drafter that went away without a scheduled fault is listed with the plugin's log line and its last /proc
+    samples, and is measured from its own ready time (not from the fault before it)."""
+    soak = _soak()
+    polls = [{"t": t, "state": st, "drafters": dr} for t, st, dr in [
+        (1, "ready", [5]), (2, "ready", [5]), (3, "restarting", []), (9, "ready", [6]), (10, "restarting", []),
+        (20, "ready", [7]), (30, "ready", [7])]]
+    assert soak.ready_times(polls) == {5: 1, 6: 9, 7: 20}
+
+    class Watch:
+        history = {6: [(9.5, "R", 1.0, 9), (10.0, "R", 1.0, 12)]}
+
+    log = ["(Worker pid=1) WARNING ... Saguaro: drafter (pid 6) did not answer step 3 within 1.00 s and is not "
+           "computing: it is hung; restarting it in 1 s (restart 2 of 5); steps go on without drafts"]
+    got = soak.unexpected_replacements(polls, [{"t": 2.5, "pid": 5, "signal": "SIGKILL"}], Watch(), log)
+    assert got == [{"pid": 6, "last_seen_s": 9, "log": log[0], "last_samples": [[9.5, "R", 1.0, 9], [10.0, "R", 1.0, 12]]}]
+    line = report.replacement_line(got[0])
+    assert "is not computing: it is hung" in line and "state R, 0.00 CPU-seconds, 9-12 runnable tasks" in line
+    samples = [{"t": t, "drafter_pid": pid, "mb": {"drafter": mb}} for t, pid, mb in [
+        (1, 5, 900.0), (2, 5, 900.0), (15, 7, 200.0), (25, 7, 1000.0), (30, 7, 1001.0), (40, 7, 1002.0)]]
+    d = soak.drafter_memory(samples, [{"at_s": 2.5, "ready_after_s": 6.5, "killed_pid": 5}], 0, 5,
+                            soak.ready_times(polls))
+    assert (d[1]["from_t_s"], d[1]["start_mb"], d[1]["growth"]) == (25, 1000.0, 0.002)  # its own ready at 20 s
+
+
 def test_ratio_interval_separates_real_differences_from_noise():
     import random
 
