@@ -327,17 +327,17 @@ def fault_line(kill: dict) -> str:
     """One drafter fault of a soak and what it cost, from its result entry."""
     back, ready, gone = kill["recovered_after_s"], kill.get("ready_after_s"), kill.get("gone_after_s")
     sig = kill.get("signal", "SIGKILL")
-    states = " -> ".join(f"{st} ({t:+.0f} s)" for t, st in kill.get("states") or [] if st)
     reasons = ", ".join(f"{r} {n:.0f}" for r, n in (kill.get("failures_by_reason") or {}).items())
     return (f"- drafter {sig} at {kill['at_s']:.0f} s with {kill.get('requests_in_flight', '?')} requests in "
             f"flight (their longest wait between two chunks: {fmt(kill.get('in_flight_max_chunk_gap_s'))} s); "
             + ("" if gone is None or sig == "SIGKILL" else f"the stopped process gone after {gone:.1f} s; ")
             + f"restarts counted on /metrics: {fmt(kill['restarts'], '.0f', dash='none (no such metric)')}, steps "
             f"without drafts counted as failures: {fmt(kill['failed_steps'], '.0f')}"
-            + (f" ({reasons})" if reasons else "") + "; new drafter ready after "
-            + ("-" if ready is None else f"{ready:.1f} s") + ", drafts flowing again after "
-            + ("**never**" if back is None else f"{back:.1f} s")
-            + (f"; client states: {states}" if states else ""))
+            + (f" ({reasons})" if reasons else "") + "; "
+            + ("" if ready is not None and back is not None and abs(ready - back) < 0.05 else
+               "new drafter ready after " + ("-" if ready is None else f"{ready:.1f} s") + ", ")
+            + "drafts flowing again after "
+            + ("**never**" if back is None else f"{back:.1f} s"))
 
 
 def greedy_line(g: dict | None) -> list[str]:
@@ -409,9 +409,9 @@ def companion_line(d: dict) -> str:
     disabled = d.get("speculation_disabled_at_s")
     if disabled is None:  # results written before that field: from the client states polled each second
         disabled = next((p["t"] for p in d.get("timeline") or [] if p.get("state") == "disabled"), None)
-    return (f"- `benchmarks/results/{d['_file']}` (`{d['command']}`"
-            + ("" if plain else f", Saguaro `{json.dumps(d['settings'].get('saguaro') or {'mode': 'async'})}`")
-            + f"): {s['requests']} requests over "
+    return (f"- `{d['_file']}`"
+            + ("" if plain else f" (Saguaro `{json.dumps(d['settings'].get('saguaro') or {'mode': 'async'})}`)")
+            + f": {s['requests']} requests over "
             f"{d['settings']['duration_s']:g} s, {d['errors']} errors"
             + (f", {g['mismatches']} greedy mismatches in {g['compared']}" if g else "")
             + ("" if plain else f", hit rate {fmt(sp.get('cache_hit_rate'), '.3f')}")
@@ -441,8 +441,7 @@ def soak_section(data: dict) -> list[str]:
            f"- command: `{data['command']}` (result {result_link(data['_file'])})",
            f"- {st['clients']} concurrent clients for {st['duration_s']:g} s against `vllm serve` on "
            f"127.0.0.1, Saguaro `{json.dumps(st.get('saguaro') or {'mode': 'async'})}`, K={st['k']}; models: "
-           f"{data['models']} (`{model_dir(data['target'])}` / "
-           f"`{model_dir(data['draft'])}`); temperatures {list(st['temperatures'])} (drawn per request"
+           f"{data['models']}; temperatures {list(st['temperatures'])} (drawn per request"
            + (f": {100 * st['greedy_share']:.0f} % greedy" if st.get("greedy_share") is not None else "")
            + f"), max_tokens {list(st['lengths'])}, stop "
            "by length (ignore_eos), EOS, stop strings or stop token ids; a quarter of the requests are chats"
@@ -518,24 +517,11 @@ def soak_section(data: dict) -> list[str]:
                    f"{fmt(d.get('trend_mb_per_h'), '+.1f')} |")
     procs = m.get("processes")
     if procs:
-        out += ["", "Every process of the server's tree, sampled every ~5 s (RSS from the warm-up sample, or its "
-                "own first sample if it started later; a drafter over the span measured above, to its last sample "
-                "before its fault; `fitted`: the least-squares trend times that span, over the first sample, which "
-                "a transient peak in the last sample does not move; `cores`: CPU time over its sampled life):", "",
-                "| pid | role | alive s | measured s | RSS MB first / last | least / most | growth | trend MB/h | "
-                "fitted | cores |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for pid, p in sorted(procs.items(), key=lambda kv: (kv[1]["role"], kv[1]["alive_t_s"][0])):
-            growth = "-" if p["growth"] is None else f"{100 * p['growth']:+.1f} %"
-            fitted = fitted_change(p)
-            out.append(f"| {pid} | {p['role']} | {p['alive_t_s'][0]:.0f} - {p['alive_t_s'][1]:.0f} | "
-                       f"{p['from_t_s']:.0f} - {p['to_t_s']:.0f} | "
-                       f"{p['start_mb']:.1f} / {p['end_mb']:.1f} | {p['min_mb']:.1f} / {p['max_mb']:.1f} | {growth} | "
-                       f"{fmt(p['trend_mb_per_h'], '+.1f')} | {'-' if fitted is None else f'{100 * fitted:+.1f} %'} | "
-                       f"{fmt(p['cores'], '.2f')} |")
         fitted = {pid: fitted_change(p) for pid, p in procs.items()}
         over = [f"{procs[pid]['role']} {pid} ({100 * f:+.1f} %)" for pid, f in fitted.items()
                 if f is not None and abs(f) >= 0.05]
-        out += ["", f"- fitted change under 5 % over its measured span for every process measured "
+        out += ["", f"- fitted change (the least-squares trend over each process's measured span, which a transient "
+                "peak in the last sample does not move; per process in the result file) under 5 % for every process measured "
                 f"({sum(f is not None for f in fitted.values())} of {len(fitted)}): "
                 + ("met" if not over else "**not met**: " + ", ".join(over))]
     jumps = m.get("kill_jumps") or []
@@ -549,13 +535,10 @@ def soak_section(data: dict) -> list[str]:
     if companions:
         out += ["", "Other soak runs of the day:", ""] + [companion_line(d) for d in companions]
     others = load.get("other_cpu_s_total") or 0.0
-    out += ["", f"Growth is measured from the first sample {fmt(st.get('warmup_s'), '.0f')} s into the run: vLLM's "
-            "CPU target worker creates oneDNN primitives per new batch shape, so its RSS climbs while traffic shows "
-            "it new shapes (docs/troubleshooting.md, Memory). "
-            + ("Each drafter process is measured over its own life: the first from the warm-up to its last sample "
-               "before the kill, a replacement from its first sample "
-               f"{fmt(st.get('drafter_settle_s'), '.0f')} s after it was ready (it builds its oneDNN shapes and "
-               "writes its KV cache before it reports ready). " if drafters is not None else
+    out += ["", f"Growth is measured from the first sample {fmt(st.get('warmup_s'), '.0f')} s into the run "
+            "(why the worker climbs: [dev/troubleshooting.md](dev/troubleshooting.md#memory)). "
+            + ("Each drafter is measured over its own life, a replacement from "
+               f"{fmt(st.get('drafter_settle_s'), '.0f')} s after it was ready. " if drafters is not None else
                "The drafter row compares the first drafter (start) with the last replacement (end). ")
             + (f"Other processes used {others:.0f} CPU-seconds of the {data['machine']['cpus']} cores during "
                f"the run (about {others / max(data['traffic_s'] + data['drain_s'], 1):.1f} cores on average): "
@@ -585,10 +568,7 @@ def soak_dashboard_lines(dash: dict | None) -> list[str]:
             named.append(", ".join(f"`{k.removeprefix('vllm:saguaro_')}` {v:.0f}" for k, v in sorted(got.items())))
     gauges = sm.get("gauges") or {}
     shown = [f"`{k.removeprefix('vllm:saguaro_')}` {g['min']:g}-{g['max']:g} (after the drain {g['after_drain']:g})"
-             for k, g in sorted(gauges.items()) if k.startswith(("vllm:saguaro_drafter_requests",
-                                                                 "vllm:saguaro_speculating",
-                                                                 "vllm:saguaro_fanout_budget",
-                                                                 "vllm:saguaro_drafter_free_kv_blocks"))]
+             for k, g in sorted(gauges.items()) if k.startswith("vllm:saguaro_drafter_requests")]
     last = dash["samples"][-1]["samples"] if dash.get("samples") else {}
     prefix = 'vllm:saguaro_drafter_state{state="'
     state = next((k[len(prefix):].split('"', 1)[0] for k, v in last.items() if k.startswith(prefix) and v == 1), None)
@@ -1182,12 +1162,12 @@ def regimes_misses(data: dict) -> list[str]:
         verdict = ("no repeat with both engines" if not ratios else "below in every repeat"
                    if max(ratios) < c["goal"] else "repeats on both sides: not decided")
         out.append(f"- r{c['ratio']:g} {c['vocab'] // 1000}k b{c['batch']} T{c['temperature']:g}: "
-                   f"{' / '.join(f'{r:.2f}' for r in ratios)} (goal {c['goal']}), {verdict}; `sync` runs spread "
+                   f"{' / '.join(f'{r:.2f}' for r in ratios)} (goal {c['goal']}), {verdict}; `sync` spread "
                    + (f"{max(sync) / min(sync):.2f}x" if sync else "-")
                    + f"; pre-drafted {fmt(ssd.get('predraft_share'), '.2f')}, hit rate {fmt(ssd.get('hit_rate'), '.2f')}")
     return ["", f"Cells below their goal ({len(out)}; r: draft/target cost ratio, b: batch; SSD / `sync` per "
-                "repeat, `sync`'s fastest run over its slowest, the share of SSD's steps after a pre-draft, its hit "
-                "rate):", "", *out] if out else []
+                "repeat, `sync`'s fastest over slowest run, SSD's pre-draft share, hit rate; why: "
+                "[notes.md](../benchmarks/notes.md#cost-regimes-what-the-misses-are)):", "", *out] if out else []
 
 
 def regimes_section(data: dict | None) -> list[str]:
@@ -1196,15 +1176,15 @@ def regimes_section(data: dict | None) -> list[str]:
     shown as "-"."""
     out = ["## Cost regimes", "",
            "Where SSD pays: the same engines under draft/target cost ratios, vocabularies, batches and "
-           "temperatures (`benchmarks/regimes.py`). Goals: SSD (`mode: async`, with its fallback to `sync` "
-           "drafting, [algorithm.md](algorithm.md#fallback-when-ssd-drafts-as-sync-does)) at least 0.97x `sync` "
+           "temperatures (`benchmarks/regimes.py`). Goals: SSD (`mode: async`, with its [fallback]"
+           "(algorithm.md#fallback-when-ssd-drafts-as-sync-does)) at least 0.97x `sync` "
            "in every cell, 1.15x where the draft is cheap "
            "(ratio <= 0.2), batch <= 16, T = 0.", "",
            "vLLM `draft_model` runs with `draft_sample_method: \"probabilistic\"` (vLLM's default, `greedy`, "
            "verifies the draft's argmax as if the draft were certain of it, so at T > 0 few drafts survive) and, "
            "on vLLM 0.32's CPU build, with saguaro-vllm's CPU sampling fix loaded; with both it accepts every "
-           "draft of an identical draft at T = 1. A `draft_model` figure that accepts little at T > 0 reflects "
-           "those settings, not a weaker draft, and is no merit of SSD.",
+           "draft of an identical draft at T = 1. Where it accepts little at T > 0, that is those settings, no "
+           "merit of SSD.",
            ""]
     if data is None:
         return out + ["No result yet: `benchmarks/results/*-regimes-*.json` is written by `benchmarks/regimes.py`.", ""]
@@ -1212,13 +1192,15 @@ def regimes_section(data: dict | None) -> list[str]:
     counts = {len(v) if isinstance(v, list) else 1 for c in data.get("cells") or []
               for e in (c.get("engines") or {}).values() if (v := e.get("tokens_per_s")) is not None}
     runs = counts.pop() if len(counts) == 1 else None
+    dm = any((c.get("engines") or {}).get("draft_model") for c in data.get("cells") or [])
     each = [] if runs is None else ["Tokens/s per engine and cell: " + (
         "one run." if runs == 1 else f"mean [min-max] of {runs} runs."), ""]
     out += [f"{result_link(data['_file'])} ({str(data.get('date', '?'))[:10]}; {m.get('cpu', '?')}, "
             f"{m.get('cpus', '?')} cores); settings: `{json.dumps(data.get('settings', {}))}`", "",
             *([f"Note: {data['note']}.", ""] if data.get("note") else []), *each,
-            "| ratio | vocab | batch | T | `sync` tok/s | SSD tok/s | `draft_model` tok/s | SSD / `sync` (goal) | "
-            "SSD hit rate | SSD pre-draft share |", "|---:|---:|---:|---:|---|---|---|---:|---:|---:|"]
+            "| ratio | vocab | batch | T | `sync` tok/s | SSD tok/s | " + ("`draft_model` tok/s | " if dm else "")
+            + "SSD / `sync` (goal) | SSD hit rate | SSD pre-draft share |",
+            "|---:|---:|---:|---:|---|---|" + ("---|" if dm else "") + "---:|---:|---:|"]
     for c in data.get("cells") or []:
         e = c.get("engines") or {}
         ssd = e.get("async") or {}
@@ -1226,11 +1208,12 @@ def regimes_section(data: dict | None) -> list[str]:
                    f"{c.get('temperature', '-')} | "
                    f"{_spread((e.get('sync') or {}).get('tokens_per_s'), runs is not None)} | "
                    f"{_spread(ssd.get('tokens_per_s'), runs is not None)} | "
-                   f"{_spread((e.get('draft_model') or {}).get('tokens_per_s'), runs is not None)} "
-                   f"| {fmt(c.get('async_over_sync'), '.2f')} ({c.get('goal', '-')}{'' if c.get('met', True) else ', missed'}) "
+                   + (f"{_spread((e.get('draft_model') or {}).get('tokens_per_s'), runs is not None)} | " if dm else "")
+                   + f"{fmt(c.get('async_over_sync'), '.2f')} ({c.get('goal', '-')}{'' if c.get('met', True) else ', missed'}) "
                    f"| {fmt(ssd.get('hit_rate'), '.3f')} | {fmt(ssd.get('predraft_share'), '.2f')} |")
-    if data.get("goals"):
-        out += ["", f"Goals: `{json.dumps(data['goals'])}`"]
+    goals = data.get("goals") or {}
+    if goals.get("cells"):
+        out += ["", f"Goals met in {goals.get('met')} of {goals['cells']} cells."]
     out += regimes_misses(data)
     img = regimes_plot(data)
     if img:

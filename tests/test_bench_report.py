@@ -140,17 +140,19 @@ def test_cost_regimes_section_reads_what_it_finds(tmp_path, monkeypatch):
                  "met": False, "engines": {}},
                 {"ratio": 0.5, "batch": 4, "engines": {}}]}
     text = "\n".join(report.regimes_section(data))
-    assert ("| 0.05 | 32000 | 1 | 0 | 11.0 [10-12] (2 runs) | 16.0 [15-17] (3 runs) | - | 1.45 (1.15) "
+    assert ("| 0.05 | 32000 | 1 | 0 | 11.0 [10-12] (2 runs) | 16.0 [15-17] (3 runs) | 1.45 (1.15) "
             "| 0.910 | 0.40 |") in text
+    assert "`draft_model` tok/s" not in text  # no cell ran it: no column
     assert "| 0.90 (0.97, missed) |" in text
     assert "Cells below their goal (1;" in text and "- r1 32k b16 T1: " in text and "no repeat with both" in text
     assert (tmp_path / "img" / "regimes-over-sync.png").exists()  # SSD / sync per repeat, plotted
-    assert "| 0.5 | - | 4 | - | - | - | - | - (-) | - | - |" in text
+    assert "| 0.5 | - | 4 | - | - | - | - (-) | - | - |" in text
     same = data | {"cells": data["cells"][:1]}  # every engine ran alike: the count once, in the header
     same["cells"][0]["engines"]["sync"]["tokens_per_s"] = [10.0, 11.0, 12.0]
+    same["cells"][0]["engines"]["draft_model"] = {"tokens_per_s": [7.0, 8.0, 9.0]}
     text = "\n".join(report.regimes_section(same))
     assert "Tokens/s per engine and cell: mean [min-max] of 3 runs." in text
-    assert "| 0.05 | 32000 | 1 | 0 | 11.0 [10-12] | 16.0 [15-17] | - | 1.45 (1.15) |" in text
+    assert "| 0.05 | 32000 | 1 | 0 | 11.0 [10-12] | 16.0 [15-17] | 8.0 [7-9] | 1.45 (1.15) |" in text
 
 
 def test_cost_regimes_misses_say_whether_the_repeats_decide(tmp_path, monkeypatch):
@@ -160,7 +162,7 @@ def test_cost_regimes_misses_say_whether_the_repeats_decide(tmp_path, monkeypatc
             "engines": {"sync": {"tokens_per_s": [100.0, 110.0]}, "async": {"tokens_per_s": [80.0, 99.0],
                                                                         "hit_rate": 0.0, "predraft_share": 0.1}}}
     text = "\n".join(report.regimes_misses({"cells": [cell]}))
-    assert "- r1 128k b64 T0: 0.80 / 0.90 (goal 0.97), below in every repeat; `sync` runs spread 1.10x" in text
+    assert "- r1 128k b64 T0: 0.80 / 0.90 (goal 0.97), below in every repeat; `sync` spread 1.10x" in text
     cell["engines"]["async"]["tokens_per_s"] = [80.0, 120.0]
     assert "repeats on both sides: not decided" in "\n".join(report.regimes_misses({"cells": [cell]}))
     assert report.regimes_misses({"cells": [cell | {"met": True}]}) == []

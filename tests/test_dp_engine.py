@@ -1,7 +1,8 @@
 """Data parallelism through `vllm serve --data-parallel-size 2` on vLLM's CPU build: two engines, each with its
 own drafter on its own core (2 cores: each drafter shares its own engine's core, `share_cores`), the greedy
-outputs of the plain server (`served`'s records, so this adds one server start), and Saguaro's metrics of each
-engine under vLLM's `engine` label.
+outputs of the plain server (`served`'s records, so this adds one server start), the T=1 distribution of the
+plain server's sampled case pooled over both engines, and Saguaro's metrics of each engine under vLLM's
+`engine` label.
 
 `vllm.LLM` refuses `data_parallel_size` > 1 (entrypoints/llm.py), so the engines are served."""
 from __future__ import annotations
@@ -11,7 +12,8 @@ import json
 
 import pytest
 
-from serve_cases import CASES, SERVER_ARGS, Ctx
+from distribution import EXACT_P, compare
+from serve_cases import CASES, N_DIST, PROMPTS, SERVER_ARGS, Ctx, _complete
 from saguaro_vllm.tools.server_process import VLLMServer, drafter_state
 
 pytestmark = [pytest.mark.engine, pytest.mark.cpu_build_only]
@@ -20,6 +22,18 @@ pytestmark = [pytest.mark.engine, pytest.mark.cpu_build_only]
 #: balancer gives both engines requests.
 DP_CASES = ["max_tokens_large", "n_argmax", "top_k_1", "top_p_tiny", "chat", "presence_penalty",
             "frequency_penalty", "repetition_penalty"]
+
+
+#: The plain server's `sampled_distribution` case (N_DIST samples of 5 tokens at T=1, top_p 0.95) split into
+#: concurrent requests with their own seeds, so that both engines sample.
+DIST_SPLIT = 4
+DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+
+
+def _sampled(ctx: Ctx, part: int) -> dict:
+    return _complete(ctx, PROMPTS[3], n=N_DIST // DIST_SPLIT, max_tokens=5, temperature=1.0, top_p=0.95,
+                     seed=5000 + 1000 * part, extra={"ignore_eos": True})
 
 
 def _by_engine(samples: dict[str, float], name: str) -> dict[str, float]:
@@ -48,10 +62,15 @@ def dp_run(served, tiny_pair, tmp_path_factory):
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futures = {name: pool.submit(CASES[name], ctx) for name in DP_CASES}
         outputs = {name: f.result() for name, f in futures.items()}
+        before = server.metric_samples()
+        with concurrent.futures.ThreadPoolExecutor(DIST_SPLIT) as pool:
+            parts = list(pool.map(lambda i: _sampled(ctx, i), range(DIST_SPLIT)))
         samples = server.metric_samples()
         drafters = [p for role, p in server.processes() if role == "drafter"]
         affinities = sorted(tuple(sorted(p.cpu_affinity())) for p in drafters)
-    return {"outputs": outputs, "samples": samples, "affinities": affinities,
+    sampled = [row for part in parts for row in part["tokens"]]
+    return {"outputs": outputs, "samples": samples, "affinities": affinities, "before_sampled": before,
+            "sampled": sampled,
             "plain": served["cases"]["plain"], "log": str(tmp / "server-dp.log")}
 
 
@@ -72,3 +91,22 @@ def test_each_engine_drafts_with_its_own_drafter_on_its_own_core(dp_run):
     steps = _by_engine(samples, "vllm:saguaro_drafter_step_seconds_count")
     waited = _by_engine(samples, "vllm:saguaro_drafter_step_seconds_sum")
     print("drafter wait per step, ms:", {e: round(1e3 * waited[e] / steps[e], 2) for e in sorted(steps)})
+
+
+def test_dp2_t1_distribution_equals_plain(dp_run):
+    """The T=1 samples of both engines pooled against the plain server's; each engine verified sampled drafts
+    in those requests (drafted tokens, some accepted, some rejected) with its own drafter."""
+    import numpy as np
+
+    a = np.asarray(dp_run["plain"]["sampled_distribution"]["out"]["tokens"])
+    b = np.asarray(dp_run["sampled"])
+    assert a.shape == b.shape == (N_DIST, 5)
+    pvalues = compare(a, b, positions=(1, 2, 3, 4), joints=((1, 2),))
+    assert min(pvalues.values()) > EXACT_P, pvalues
+    before, after = dp_run["before_sampled"], dp_run["samples"]
+    grew = {name: {e: v - _by_engine(before, name).get(e, 0.0) for e, v in _by_engine(after, name).items()}
+            for name in (DRAFTED, ACCEPTED, "vllm:saguaro_draft_tokens_total")}
+    for engine in ("0", "1"):
+        drafted, accepted = grew[DRAFTED].get(engine, 0.0), grew[ACCEPTED].get(engine, 0.0)
+        assert grew["vllm:saguaro_draft_tokens_total"].get(engine, 0.0) > 0, (engine, grew)
+        assert 0 < accepted < drafted, (engine, grew)  # accepts and rejections of sampled drafts
