@@ -41,6 +41,10 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+# the fault test's environment (tests/conftest.py): a small CPU KV cache, test helpers importable by the engine
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
 
 import serve_cases  # noqa: E402  (tests/: the fault test's server and batches)
 import serve_faults  # noqa: E402
@@ -198,6 +202,12 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _write_partial(rows: list[dict], args) -> None:
+    """The runs so far (a run cut short keeps what it measured): <date>-fault-pauses[-label].partial.json."""
+    name = f"{datetime.date.today().isoformat()}-fault-pauses" + (f"-{args.label}" if args.label else "")
+    (RESULTS / f"{name}.partial.json").write_text(json.dumps({"summary": summary(rows), "runs": rows}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=10)
@@ -213,6 +223,9 @@ def main() -> None:
     with serve_cases._server(pair, tmp, "plain") as plain:
         reference = serve_faults.reference_batch(plain)
     server = serve_cases._server(pair, tmp, args.mode)
+    cfg = json.loads((tmp / f"saguaro-{args.mode}.json").read_text())  # the fault test's config, with restarts
+    cfg["saguaro"]["max_restarts"] = 10 * len(faults) * args.repeats  # for every fault of the run
+    (tmp / f"saguaro-{args.mode}.json").write_text(json.dumps(cfg))
     rows: list[dict] = []
     load = []
     with server:
@@ -225,8 +238,9 @@ def main() -> None:
             row["repeat"] = r
             rows.append(row)
             load.append(os.getloadavg()[0])
+            _write_partial(rows, args)
             tqdm.write(f"{fault} #{r}: longest gap {row['longest_gap_s']:.2f} s at +{row['gap_from_s']:.2f} s, "
-                       f"over healthy {row['over_healthy_s']:+.2f} s")
+                       f"over healthy {row['over_healthy_s']:+.2f} s; CPU in the gap {row['cpu_in_gap']}")
         sampler.stop.set()
         tail.stop.set()
     result = {"benchmark": "fault_pauses", "date": datetime.date.today().isoformat(),
@@ -240,6 +254,7 @@ def main() -> None:
     name = f"{result['date']}-fault-pauses" + (f"-{args.label}" if args.label else "")
     out = RESULTS / f"{name}.json"
     out.write_text(json.dumps(result, indent=1))
+    (RESULTS / f"{name}.partial.json").unlink(missing_ok=True)
     plot(rows, RESULTS / f"{name}.png")
     print(json.dumps(result["summary"], indent=1))
     print(f"wrote {out}")
