@@ -202,10 +202,13 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _name(label: str) -> str:
+    return f"{datetime.date.today().isoformat()}-fault-pauses" + (f"-{label}" if label else "")
+
+
 def _write_partial(rows: list[dict], args) -> None:
     """The runs so far (a run cut short keeps what it measured): <date>-fault-pauses[-label].partial.json."""
-    name = f"{datetime.date.today().isoformat()}-fault-pauses" + (f"-{args.label}" if args.label else "")
-    (RESULTS / f"{name}.partial.json").write_text(json.dumps({"summary": summary(rows), "runs": rows}, indent=1))
+    (RESULTS / f"{_name(args.label)}.partial.json").write_text(json.dumps({"summary": summary(rows), "runs": rows}, indent=1))
 
 
 def main() -> None:
@@ -251,7 +254,7 @@ def main() -> None:
                            "fault_after_chunks": serve_faults.FAULT_AFTER_CHUNKS},
               "note": args.note, "summary": summary(rows), "runs": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = f"{result['date']}-fault-pauses" + (f"-{args.label}" if args.label else "")
+    name = _name(args.label)
     out = RESULTS / f"{name}.json"
     out.write_text(json.dumps(result, indent=1))
     (RESULTS / f"{name}.partial.json").unlink(missing_ok=True)
