@@ -35,6 +35,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from saguaro_vllm.shared.proposal_buffers import ProposalRing  # noqa: E402
+from saguaro_vllm.shared.start_placement import restore_priority  # noqa: E402
 from saguaro_vllm.shared.transport import (  # noqa: E402
     DEVICE_ERROR_EXIT,
     Channel,
@@ -258,7 +259,7 @@ def _reply_error(drafter, msg: StepRequest, err: Exception, first: bool) -> Step
                         error=f"{type(err).__name__}: {err}")
 
 
-def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
+def serve(endpoint: str, cfg: dict, parent_pid: int, restore_nice: int | None = None) -> int:
     chan = Channel(endpoint, bind=False, accepts=ToDrafter)
     try:
         try:
@@ -277,7 +278,10 @@ def serve(endpoint: str, cfg: dict, parent_pid: int) -> int:
         # benchmark), on the critical path whenever a request came meanwhile. vLLM freezes its own heap alike.
         gc.collect()
         gc.freeze()
-        info.update(threads=torch.get_num_threads(), cores=sorted(os.sched_getaffinity(0)))
+        if restore_nice is not None:  # loaded at a lower priority than the worker's (shared/start_placement.py)
+            restore_priority(restore_nice)
+        info.update(threads=torch.get_num_threads(), cores=sorted(os.sched_getaffinity(0)),
+                    nice=os.getpriority(os.PRIO_PROCESS, 0))
         chan.send(Ready(os.getpid(), info), wait_s=CONTROL_WAIT_S)
         rejected: set[str] = set()
         fail_file = os.environ.get(FAIL_FILE_ENV)
@@ -377,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         boot = read_bootstrap(args.bootstrap)
         watch_parent(int(boot["parent_pid"]))
-        return serve(boot["endpoint"], boot["config"], int(boot["parent_pid"]))
+        return serve(boot["endpoint"], boot["config"], int(boot["parent_pid"]), boot.get("restore_nice"))
     except _Exit:
         return 0
     finally:

@@ -38,6 +38,7 @@ from saguaro_vllm.worker.drafter_policy import Progress, RestartPolicy, StepDead
     process_progress
 from saguaro_vllm.worker.drafter_states import DISABLED, LATE, READY, RESTARTING, STARTING, STATES  # noqa: F401
 from saguaro_vllm.worker.metrics import SaguaroMetrics
+from saguaro_vllm.shared.start_placement import loading_nice, place_started
 from saguaro_vllm.shared.transport import (
     CONTROL_MAX_BYTES,
     DEVICE_ERROR_EXIT,
@@ -149,9 +150,12 @@ class DrafterClient:
         socket_dir = endpoint_dir(self.endpoint)
         self.chan = Channel(self.endpoint, bind=True, accepts=ToProposer)
         bootstrap = os.path.join(socket_dir, "bootstrap.json")
+        cores = self.cfg.get("draft_cores") or [] if self.cfg.get("device") == "cpu" else []
+        restore_nice = loading_nice()
         fd = os.open(bootstrap, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"endpoint": self.endpoint, "parent_pid": os.getpid(), "config": self.cfg}, f)
+            json.dump({"endpoint": self.endpoint, "parent_pid": os.getpid(), "config": self.cfg,
+                       "restore_nice": restore_nice}, f)
         env = dict(os.environ)
         # The drafter must not inherit the target worker's OpenMP binding or thread count.
         for key in ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND", "KMP_AFFINITY", "GOMP_CPU_AFFINITY"):
@@ -159,6 +163,8 @@ class DrafterClient:
         cmd = [sys.executable, "-m", self.server_module, "--bootstrap", bootstrap]
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         self._procs.procs[self.proc] = socket_dir
+        for problem in place_started(self.proc.pid, cores, restore_nice):
+            self.logger.debug("Saguaro: drafter (pid %d) start placement: %s", self.proc.pid, problem)
         self._started_at = self.clock()
 
     def _retire(self) -> None:
