@@ -10,7 +10,7 @@ fault (SIGKILL, SIGSTOP) one healthy batch, one faulty batch, recovery. Per faul
 - every process's CPU share (server, engine core, worker, each drafter) in the longest gap and in the
   healthy batch, sampled from /proc every 20 ms;
 - the Saguaro log lines the fault caused, each timed as it reached the log (a tail read every 10 ms);
-- with `--py-spy`, the stacks of the engine core and the worker sampled during the 3 s after the injection
+- with `--py-spy`, the stacks of the server, the engine core and the worker sampled during the 3 s after the injection
   (py-spy dump every 0.25 s; perturbs what it measures, so the gap figures of such runs are not reported).
 
 Every output must equal the plain server's greedy output (checked per batch). Results:
@@ -55,6 +55,20 @@ SAMPLE_S = 0.02
 FAULTS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
 
 
+def _cpu_and_wait(pid: int) -> dict[int, tuple[float, float]]:
+    """Per thread of `pid`: seconds on a CPU and seconds waiting on a run queue (ready, not running), from
+    /proc/PID/task/TID/schedstat (the scheduler's own accounting, in ns)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                on_cpu, queued, _ = f.read().split()
+        except OSError:  # a thread that exited meanwhile
+            continue
+        out[int(tid)] = (int(on_cpu) / 1e9, int(queued) / 1e9)
+    return out
+
+
 class CpuSampler(threading.Thread):
     """Every SAMPLE_S: the CPU seconds and state of each process of the server's tree, by role and pid."""
 
@@ -71,18 +85,19 @@ class CpuSampler(threading.Thread):
                 for role, p in self.server.processes():
                     procs.setdefault(p.pid, (role, p))
                 next_scan = now + 0.1
-            row = {}
+            row = {os.getpid(): ("client", _cpu_and_wait(os.getpid()))}
             for pid, (role, p) in list(procs.items()):
                 try:
-                    t = p.cpu_times()
-                    row[pid] = (role, t.user + t.system, p.status())
-                except psutil.Error:
+                    row[pid] = (role, _cpu_and_wait(pid))
+                except OSError:
                     procs.pop(pid)
             self.samples.append((now, row))
             time.sleep(SAMPLE_S)
 
-    def shares(self, start: float, end: float) -> dict[str, float]:
-        """CPU seconds per second of each role (drafters by pid) between start and end."""
+    def shares(self, start: float, end: float, column: int = 0) -> dict[str, float]:
+        """CPU seconds per second of each role (drafters by pid) between start and end; with `column` 1,
+        the seconds per second its threads waited on a run queue instead. Summed over the threads alive at
+        both ends (the client's stream threads come and go)."""
         inside = [s for s in self.samples if start <= s[0] <= end]
         if len(inside) < 2:
             before = [s for s in self.samples if s[0] <= start][-1:]
@@ -92,9 +107,11 @@ class CpuSampler(threading.Thread):
             return {}
         (t0, a), (t1, b) = inside[0], inside[-1]
         out = {}
-        for pid, (role, cpu, _) in b.items():
+        for pid, (role, threads) in b.items():
             name = f"{role} {pid}" if role == "drafter" else role
-            out[name] = round((cpu - a.get(pid, (role, cpu, ""))[1]) / max(t1 - t0, 1e-9), 3)
+            earlier = a.get(pid, (role, {}))[1]
+            total = sum(v[column] - earlier[tid][column] for tid, v in threads.items() if tid in earlier)
+            out[name] = round(total / max(t1 - t0, 1e-9), 3)
         return out
 
 
@@ -121,20 +138,51 @@ class LogTail(threading.Thread):
 
 
 def py_spy_dumps(server, until: float, out: list) -> None:
-    """py-spy dump of the engine core and the worker every 0.25 s until `until`."""
+    """py-spy dump of the server, the engine core and the worker every 0.25 s until `until`: each thread's
+    name and its innermost frames."""
     exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     targets = [(r, p.pid) for r, p in server.processes() if r in ("engine core", "worker")]
     while time.monotonic() < until:
         t = time.monotonic()
         for role, pid in targets:
-            r = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=10)
-            frames = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith(("Thread", "(", "_", "<"))
-                      or " (" in ln]
-            out.append({"t": t, "role": role, "stack": frames[:14]})
-        time.sleep(max(0.0, 0.25 - (time.monotonic() - t)))
+            r = subprocess.run([exe, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True,
+                               timeout=10)
+            threads, current = [], None
+            for ln in r.stdout.splitlines():
+                if ln.startswith("Thread "):
+                    current = {"thread": ln.strip(), "frames": []}
+                    threads.append(current)
+                elif current is not None and ln.strip() and len(current["frames"]) < 4:
+                    current["frames"].append(ln.strip())
+            out.append({"t": t, "role": role, "threads": threads})
+        time.sleep(max(0.0, 0.1 - (time.monotonic() - t)))
 
 
-def one_fault(server, reference, fault: str, sampler: CpuSampler, tail: LogTail, spy: bool) -> dict:
+def py_spy_record(server, seconds: float, out: list) -> None:
+    """py-spy record (200 Hz, without pausing the process) of the engine core and the worker for `seconds`:
+    their collapsed stacks with sample counts, the heaviest first, appended to `out` once done."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    for role, p in server.processes():
+        if role not in ("engine core", "worker", "server"):
+            continue
+        path = tempfile.mktemp(suffix=".txt")
+
+        def collect(role=role, pid=p.pid, path=path):
+            subprocess.run([exe, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200",
+                            "--nonblocking", "--format", "raw", "--output", path], capture_output=True, timeout=60)
+            counts = []
+            for line in Path(path).read_text().splitlines() if os.path.exists(path) else []:
+                stack, _, n = line.rpartition(" ")
+                counts.append((int(n), stack))
+            counts.sort(reverse=True)
+            out.append({"t": time.monotonic(), "role": role, "samples": sum(n for n, _ in counts),
+                        "stacks": [{"n": n, "stack": ";".join(f.split(" (")[0] for f in s.split(";")[-6:])}
+                                   for n, s in counts[:25]]})
+        threading.Thread(target=collect, daemon=True).start()
+
+
+def one_fault(server, reference, fault: str, sampler: CpuSampler, tail: LogTail, spy: bool,
+              record: bool = False) -> dict:
     serve_faults.wait_drafting(server)
     healthy = serve_faults.run_batch(server)
     assert not healthy.errors and healthy.texts == reference, healthy.errors
@@ -147,6 +195,8 @@ def one_fault(server, reference, fault: str, sampler: CpuSampler, tail: LogTail,
         victim[0].send_signal(FAULTS[fault])
         if spy:
             threading.Thread(target=py_spy_dumps, args=(server, time.monotonic() + 3.0, stacks), daemon=True).start()
+        if record:
+            py_spy_record(server, 3.0, stacks)
 
     faulty = serve_faults.run_batch(server, inject)
     assert not faulty.errors, faulty.errors
@@ -160,10 +210,21 @@ def one_fault(server, reference, fault: str, sampler: CpuSampler, tail: LogTail,
            "over_healthy_s": round(faulty.seconds - healthy.seconds, 3), "longest_gap_s": round(g1 - g0, 3),
            "gap_from_s": round(g0 - inj, 3), "gap_to_s": round(g1 - inj, 3), "gap_stream": stream,
            "next_gaps_s": [round(g, 3) for g in gaps_after[1:4]],
+           "healthy_longest_gap_s": round(healthy.max_gap_s, 3),
+           "healthy_gap_at_s": [round(x - healthy.started, 3) for x in healthy.longest_gap()[1:]],
+           "healthy_first_chunk_s": round(min(a[0] for a in healthy.arrivals if a) - healthy.started, 3),
+           "healthy_log": [{"at_s": round(t - healthy.started, 3), "line": ln.split("] ", 1)[-1][:220]}
+                           for t, ln in tail.lines if healthy.started <= t <= healthy.started + healthy.seconds
+                           and ("Saguaro" in ln or "drafter" in ln)],
+           "chunks": {"healthy": sum(map(len, healthy.arrivals)), "faulty": sum(map(len, faulty.arrivals))},
            "cpu_in_gap": sampler.shares(g0, g1),
+           "runqueue_wait_in_gap": sampler.shares(g0, g1, column=1),
            "cpu_healthy": sampler.shares(healthy.started, healthy.started + healthy.seconds),
+           "runqueue_wait_healthy": sampler.shares(healthy.started, healthy.started + healthy.seconds, column=1),
            "log": log}
-    if spy:
+    if record:
+        time.sleep(4.0)  # the recorders end 3 s after the injection
+    if spy or record:
         row["stacks"] = [{**s, "t": round(s["t"] - inj, 3)} for s in stacks]
     serve_faults.wait_drafting(server, restarts_at_least=restarts + 1)
     return row
@@ -216,7 +277,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--faults", default="sigkill,sigstop")
     ap.add_argument("--mode", default="async", choices=["async", "sync"])
-    ap.add_argument("--py-spy", action="store_true", help="sample the engine core's and worker's stacks")
+    ap.add_argument("--py-spy", action="store_true", help="sample the stacks of the server, engine core and worker")
+    ap.add_argument("--py-spy-record", action="store_true",
+                    help="record (200 Hz) the server's, engine core's and worker's stacks for 3 s after the injection")
     ap.add_argument("--label", default="")
     ap.add_argument("--note", default="")
     args = ap.parse_args()
@@ -237,7 +300,7 @@ def main() -> None:
         tail.start()
         todo = [(r, f) for r in range(args.repeats) for f in faults]
         for r, fault in tqdm(todo, desc="faults", unit="fault"):
-            row = one_fault(server, reference, fault, sampler, tail, args.py_spy)
+            row = one_fault(server, reference, fault, sampler, tail, args.py_spy, args.py_spy_record)
             row["repeat"] = r
             rows.append(row)
             load.append(os.getloadavg()[0])

@@ -24,8 +24,10 @@ K = 4
 MAX_TOKENS_LARGE = 300
 MAX_MODEL_LEN = 512
 BLOCK_SIZE = 32
-#: 48 blocks of 32 tokens: a few long requests at once, so the preemption case must preempt.
-NUM_BLOCKS = 48
+#: 96 blocks of 32 tokens: the fault batch (8 streams of ~330 tokens, 88 blocks) runs without preemption, so
+#: its gaps are the fault's (with 48, preempted streams waited 1.3-2.5 s in healthy batches too); the
+#: preemption case asks for more than this at once.
+NUM_BLOCKS = 96
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
                "--served-model-name", "tiny", "--block-size", str(BLOCK_SIZE),
                "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "64",
@@ -233,9 +235,9 @@ def case_json_schema(ctx):
 
 
 def case_preemption(ctx):
-    # 12 requests of 40 + 150 tokens need 72 KV blocks of the 48: vLLM preempts and recomputes some (with
-    # 8 the plain server preempted once, the speculating ones, finishing requests at different times, not).
-    prompts = [ctx.long_prompt[i * 7: i * 7 + 40] for i in range(12)]
+    # 24 requests of 40 + 150 tokens need 144 KV blocks of the 96: vLLM preempts and recomputes some (at
+    # 1.5 times the blocks, as speculating servers, whose requests finish at different times, need).
+    prompts = [ctx.long_prompt[i * 7: i * 7 + 40] for i in range(24)]
     return _complete(ctx, prompts, max_tokens=150, temperature=0, extra={"ignore_eos": True})
 
 

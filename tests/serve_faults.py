@@ -3,15 +3,18 @@ servers, test_faults.py checks the results).
 
 Faults: SIGKILL, SIGSTOP (a hang, never continued) and a drafter that raises inside its steps (for 0.5 s),
 each injected while 8 greedy streams are in flight. For each: every request completes with the target's
-own greedy output (the plain server's), the fault costs at most one bounded wait (the batch takes at most a
-few seconds longer than a healthy one and no stream waits more than MAX_GAP_S between two chunks),
+own greedy output (the plain server's), the fault costs at most one bounded wait (the batch takes at most SLACK_S
+longer than a healthy one and no stream waits more than its fault's MAX_GAP_S between two chunks),
 `/metrics` counts the failed steps and the restart, and speculation resumes once the new drafter is up
 (drafts and vLLM's accepted-token counter grow again).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -28,14 +31,17 @@ MAX_TOKENS = 320  # long enough that no stream ends before the last one has its 
 FAIL_ENV = "SAGUARO_DRAFTER_FAIL_FILE"
 FAULT_AFTER_CHUNKS = 3  # inject once every stream has received this many chunks (all requests in flight;
 #                        async streams 128 tokens in ~1 s, so a later trigger can find one finished)
-# A fault costs one bounded wait (~1 s, the deadline floor) and, on a 2-core machine, a pause of the streams
-# after a death while the API server is starved of CPU (vLLM's engine core and worker spin-wait, the replacement
-# loads; benchmarks/fault_pauses.py and benchmarks/notes.md). These bounds still fail a client that waits out
-# step_timeout_s (30 s) or a stream that stops; issue 44 asks for 1 s / deadline floor + 0.5 s once that pause
-# is removed.
-SLACK_S = 8.0  # a faulty batch may take this much longer than the healthy batch just before it
-MAX_GAP_S = 6.0  # no stream may wait longer than this between two chunks
+# The bounds, measured over 10 repeats of each fault with benchmarks/fault_pauses.py (benchmarks/notes.md
+# "A drafter fault's pause"): a death pauses no stream for more than 1 s, a hang for no more than one deadline
+# (the floor, 1 s, as nothing is measured yet at a hang's time) + 0.5 s, and a faulty batch ends within 2 s
+# of the healthy one. They hold for chunks timed by a reader that gets the CPU when they arrive
+# (stream_reader.py at real-time priority); where the test may not raise its priority, the reader's own
+# waits for a CPU on a 2-core machine are in its gaps, and UNPRIVILEGED_GAP_S applies instead.
+MAX_GAP_S = {"sigkill": 1.0, "sigstop": 1.0 + 0.5, "raising": 1.0}
+SLACK_S = 2.0  # a faulty batch may take this much longer than the healthy batch just before it
+UNPRIVILEGED_GAP_S = 3.0
 BATCH_TIMEOUT_S = 60.0
+READER = Path(__file__).with_name("stream_reader.py")  # times each chunk in a process of its own
 RECOVERY_S = 90.0  # the replacement drafter loads (a fresh Python + torch) in the background
 
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -65,6 +71,7 @@ class Batch:
     started: float = 0.0  # time.monotonic() at the start
     injected: float | None = None  # time.monotonic() when the fault was injected
     arrivals: list[list[float]] = dataclasses.field(default_factory=list)  # per stream, each chunk's time
+    realtime: bool = False  # whether the reader ran at real-time priority
 
     def longest_gap(self) -> tuple[int, float, float]:
         """(stream, start, end) of the longest wait between two chunks of one stream."""
@@ -97,46 +104,56 @@ def saguaro_log(server: VLLMServer, lines: int = 40) -> str:
 
 
 def run_batch(server: VLLMServer, inject=None) -> Batch:
-    """8 concurrent greedy streams; `inject()` runs once every stream has received FAULT_AFTER_CHUNKS chunks."""
-    import openai
-
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=BATCH_TIMEOUT_S, max_retries=0)
+    """8 concurrent greedy streams, read and timed by tests/stream_reader.py (a process of its own, at
+    real-time priority where allowed); `inject()` runs once every stream has received FAULT_AFTER_CHUNKS
+    chunks."""
     arrivals: list[list[float]] = [[] for _ in PROMPTS]
     pieces: list[list[str]] = [[] for _ in PROMPTS]
     errors: list[str] = []
-
-    def stream(i: int) -> None:
-        try:
-            for chunk in client.completions.create(model="tiny", prompt=PROMPTS[i], stream=True,
-                                                   max_tokens=MAX_TOKENS, temperature=0,
-                                                   extra_body={"ignore_eos": True}):
-                arrivals[i].append(time.monotonic())
-                pieces[i].append(chunk.choices[0].text if chunk.choices else "")
-        except Exception as err:  # recorded, asserted by the caller
-            errors.append(f"request {i}: {type(err).__name__}: {err}")
-
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(PROMPTS))]
+    done: set[int] = set()
+    realtime: list[bool] = []
+    cmd = [sys.executable, str(READER), server.url, str(MAX_TOKENS), *(json.dumps(p) for p in PROMPTS)]
     start = time.monotonic()
+    reader = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+    def collect() -> None:
+        for line in reader.stdout:
+            event = json.loads(line)
+            if "t" in event:
+                arrivals[event["i"]].append(event["t"])
+                pieces[event["i"]].append(event["text"])
+            elif "error" in event:
+                errors.append(f"request {event['i']}: {event['error']}")
+            elif event.get("done"):
+                done.add(event["i"])
+            elif "realtime" in event:
+                realtime.append(event["realtime"])
+
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
     injected = None
     deadline = start + BATCH_TIMEOUT_S
-    for t in threads:
-        t.start()
     if inject is not None:
-        while min(len(a) for a in arrivals) < FAULT_AFTER_CHUNKS and time.monotonic() < deadline:
+        while min(len(a) for a in arrivals) < FAULT_AFTER_CHUNKS and time.monotonic() < deadline and not done:
             time.sleep(0.005)
-        ended = [i for i, t in enumerate(threads) if not t.is_alive()]
-        assert not ended, (f"streams {ended} ended before the fault (chunks per stream: "
-                           f"{[len(a) for a in arrivals]}; errors: {errors}): lengthen the requests if none failed")
+        assert not done, (f"streams {sorted(done)} ended before the fault (chunks per stream: "
+                          f"{[len(a) for a in arrivals]}; errors: {errors}): lengthen the requests if none failed")
         injected = time.monotonic()
         inject()
-    for t in threads:
-        t.join(timeout=max(0.0, deadline - time.monotonic()))
-    seconds = time.monotonic() - start
-    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
+    try:
+        reader.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        reader.kill()
+        reader.wait()
+    collector.join(timeout=10)
+    stuck = [i for i in range(len(PROMPTS)) if i not in done]
     if stuck:
         errors.append(f"requests {stuck} still streaming after {BATCH_TIMEOUT_S:.0f} s")
+    # the batch ends at its last chunk (the reader process's own exit is not the server's time)
+    seconds = max((a[-1] for a in arrivals if a), default=start) - start
     gaps = [b - a for arr in arrivals for a, b in zip(arr, arr[1:])]
-    return Batch(["".join(p) for p in pieces], seconds, max(gaps, default=0.0), errors, start, injected, arrivals)
+    return Batch(["".join(p) for p in pieces], seconds, max(gaps, default=0.0), errors, start, injected, arrivals,
+                 realtime=bool(realtime and realtime[0]))
 
 
 def reference_batch(server: VLLMServer) -> list[str]:
@@ -166,7 +183,7 @@ def wait_drafting(server: VLLMServer, restarts_at_least: float = 0.0) -> dict[st
         time.sleep(0.5)
 
 
-def check_fault(server: VLLMServer, reference: list[str], inject, *, restarts: int) -> dict:
+def check_fault(server: VLLMServer, reference: list[str], inject, *, restarts: int, max_gap_s: float) -> dict:
     """Healthy batch, faulty batch, recovery, resumed batch; the assertions every fault shares. Returns the
     figures (printed by the test)."""
     m0 = wait_drafting(server)
@@ -182,7 +199,8 @@ def check_fault(server: VLLMServer, reference: list[str], inject, *, restarts: i
     assert faulty.texts == reference, "a faulty batch's output differs from the target's"
     assert _total(m2, FAILURES) > _total(m1, FAILURES), f"the fault did not reach a step\n{log}"
     gap, seconds, healthy_s = faulty.max_gap_s, faulty.seconds, healthy.seconds
-    assert gap < MAX_GAP_S, f"a stream waited {gap:.2f} s for a chunk\n{log}"
+    bound = max_gap_s if faulty.realtime else UNPRIVILEGED_GAP_S
+    assert gap < bound, f"a stream waited {gap:.2f} s for a chunk (bound {bound} s)\n{log}"
     assert seconds < healthy_s + SLACK_S, f"faulty batch {seconds:.2f} s vs healthy {healthy_s:.2f} s\n{log}"
 
     m3 = wait_drafting(server, restarts_at_least=_total(m1, RESTARTS) + restarts)
@@ -194,7 +212,7 @@ def check_fault(server: VLLMServer, reference: list[str], inject, *, restarts: i
     state = drafter_state(server.metric_samples())
     assert state == "ready", state
     assert _total(m4, RESTARTS) - _total(m1, RESTARTS) == restarts, saguaro_log(server)
-    return {"healthy_s": healthy_s, "faulty_s": seconds, "longest_gap_s": gap,
+    return {"healthy_s": healthy_s, "faulty_s": seconds, "longest_gap_s": gap, "gap_bound_s": bound,
             "failed_steps": _total(m2, FAILURES) - _total(m1, FAILURES),
             "restarts": _total(m4, RESTARTS) - _total(m1, RESTARTS), "resumed_s": resumed.seconds,
             "accepted_after": _total(m4, ACCEPTED) - _total(m3, ACCEPTED)}
@@ -214,12 +232,13 @@ def _one_fault(server: VLLMServer, fault: str, reference: list[str], fail_file: 
             time.sleep(0.5)
             fail_file.unlink()
 
-        figures = check_fault(server, reference, fail_for_a_while, restarts=restarts)
+        figures = check_fault(server, reference, fail_for_a_while, restarts=restarts, max_gap_s=MAX_GAP_S[fault])
         assert FAIL_ENV in Path(server.log_path).read_text(errors="replace"), "the drafter logged no injected failure"
         return figures
     victim: list[psutil.Process] = []
     sig = signal.SIGKILL if fault == "sigkill" else signal.SIGSTOP
-    figures = check_fault(server, reference, _signal_fault(server, sig, victim), restarts=restarts)
+    figures = check_fault(server, reference, _signal_fault(server, sig, victim), restarts=restarts,
+                          max_gap_s=MAX_GAP_S[fault])
     assert gone(victim[0]), f"the {fault} drafter (pid {victim[0].pid}) is still there"
     assert the_drafter(server).pid != victim[0].pid
     return figures

@@ -79,7 +79,7 @@ def test_cases_exercise_what_they_claim(plain):
     greedy = _out(plain, "stream_disconnect")["follow_up"]["tokens"][0]  # 32 greedy tokens of PROMPTS[1]
     assert [c[:32] for c in _out(plain, "n_argmax")["tokens"]] == [greedy] * 3
     assert len(_out(plain, "full_context")["tokens"][0]) == 40
-    assert _out(plain, "preemption")["finish"] == ["length"] * 12
+    assert _out(plain, "preemption")["finish"] == ["length"] * 24
     assert plain["preemption"]["delta"][PREEMPTIONS] > 0, "the small KV cache did not cause a preemption"
 
 
