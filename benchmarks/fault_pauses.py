@@ -7,11 +7,17 @@ fault (SIGKILL, SIGSTOP) one healthy batch, one faulty batch, recovery. Per faul
 - the longest gap between two chunks of one stream, where it lies after the injection, and the faulty
   batch's time over the healthy one's (issue 44's goals: after a death no gap over 1 s; after a hang none
   over the step deadline floor + 0.5 s; a faulty batch within 2 s of the healthy one);
-- every process's CPU share (server, engine core, worker, each drafter) in the longest gap and in the
-  healthy batch, sampled from /proc every 20 ms;
+- the healthy batch's longest gap and where it lies (preemption shows there, not only in faulty batches);
+- every process's CPU share (this benchmark's process as `client`, server, engine core, worker, each
+  drafter) and its threads' run-queue waits (ready, not running) in the longest gap and in the healthy
+  batch, sampled from /proc every 20 ms;
 - the Saguaro log lines the fault caused, each timed as it reached the log (a tail read every 10 ms);
-- with `--py-spy`, the stacks of the server, the engine core and the worker sampled during the 3 s after the injection
-  (py-spy dump every 0.25 s; perturbs what it measures, so the gap figures of such runs are not reported).
+- with `--py-spy`, non-blocking dumps of the engine core and the worker every 0.1 s during the 3 s after the
+  injection; with `--py-spy-record`, 3 s of their and the server's stacks sampled at 200 Hz (both perturb
+  what they measure: the gap figures of such runs are not reported).
+
+The chunks are timed by tests/stream_reader.py, a process of its own at real-time priority where allowed:
+a reader inside a busy process on 2 cores reads them late (benchmarks/notes.md "A drafter fault's pause").
 
 Every output must equal the plain server's greedy output (checked per batch). Results:
 `benchmarks/results/<date>-fault-pauses[-label].json` and a plot beside it.
@@ -138,7 +144,7 @@ class LogTail(threading.Thread):
 
 
 def py_spy_dumps(server, until: float, out: list) -> None:
-    """py-spy dump of the server, the engine core and the worker every 0.25 s until `until`: each thread's
+    """Non-blocking py-spy dumps of the engine core and the worker every 0.1 s until `until`: each thread's
     name and its innermost frames."""
     exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     targets = [(r, p.pid) for r, p in server.processes() if r in ("engine core", "worker")]
