@@ -171,15 +171,17 @@ def py_spy_record(server, seconds: float, out: list) -> None:
     for role, p in server.processes():
         if role not in ("engine core", "worker", "server"):
             continue
-        path = tempfile.mktemp(suffix=".txt")
+        fd, path = tempfile.mkstemp(suffix=".txt")
+        os.close(fd)
 
         def collect(role=role, pid=p.pid, path=path):
             subprocess.run([exe, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200",
                             "--nonblocking", "--format", "raw", "--output", path], capture_output=True, timeout=60)
             counts = []
-            for line in Path(path).read_text().splitlines() if os.path.exists(path) else []:
+            for line in Path(path).read_text().splitlines():
                 stack, _, n = line.rpartition(" ")
                 counts.append((int(n), stack))
+            os.unlink(path)
             counts.sort(reverse=True)
             out.append({"t": time.monotonic(), "role": role, "samples": sum(n for n, _ in counts),
                         "stacks": [{"n": n, "stack": ";".join(f.split(" (")[0] for f in s.split(";")[-6:])}
@@ -216,6 +218,7 @@ def one_fault(server, reference, fault: str, sampler: CpuSampler, tail: LogTail,
            "over_healthy_s": round(faulty.seconds - healthy.seconds, 3), "longest_gap_s": round(g1 - g0, 3),
            "gap_from_s": round(g0 - inj, 3), "gap_to_s": round(g1 - inj, 3), "gap_stream": stream,
            "next_gaps_s": [round(g, 3) for g in gaps_after[1:4]],
+           "reader_realtime": faulty.realtime,
            "healthy_longest_gap_s": round(healthy.max_gap_s, 3),
            "healthy_gap_at_s": [round(x - healthy.started, 3) for x in healthy.longest_gap()[1:]],
            "healthy_first_chunk_s": round(min(a[0] for a in healthy.arrivals if a) - healthy.started, 3),

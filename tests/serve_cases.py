@@ -25,8 +25,7 @@ MAX_TOKENS_LARGE = 300
 MAX_MODEL_LEN = 512
 BLOCK_SIZE = 32
 #: 96 blocks of 32 tokens: the fault batch (8 streams of ~330 tokens, 88 blocks) runs without preemption, so
-#: its gaps are the fault's (with 48, preempted streams waited 1.3-2.5 s in healthy batches too); the
-#: preemption case asks for more than this at once.
+#: its gaps are the fault's, not a preempted stream's wait; the preemption case asks for more than this at once.
 NUM_BLOCKS = 96
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
                "--served-model-name", "tiny", "--block-size", str(BLOCK_SIZE),

@@ -33,7 +33,7 @@ FAULT_AFTER_CHUNKS = 3  # inject once every stream has received this many chunks
 #                        async streams 128 tokens in ~1 s, so a later trigger can find one finished)
 # The bounds, measured over 10 repeats of each fault with benchmarks/fault_pauses.py (benchmarks/notes.md
 # "A drafter fault's pause"): a death pauses no stream for more than 1 s, a hang for no more than one deadline
-# (the floor, 1 s, as nothing is measured yet at a hang's time) + 0.5 s, and a faulty batch ends within 2 s
+# (its floor, 1 s, where steps take milliseconds) + 0.5 s, and a faulty batch ends within 2 s
 # of the healthy one. They hold for chunks timed by a reader that gets the CPU when they arrive
 # (stream_reader.py at real-time priority); where the test may not raise its priority, the reader's own
 # waits for a CPU on a 2-core machine are in its gaps, and UNPRIVILEGED_GAP_S applies instead.

@@ -3,9 +3,8 @@
 The fault tests and benchmarks/fault_pauses.py measure the gaps between chunks as a user's client sees
 them. On a 2-core machine such a client beside the server is itself a source of gaps: vLLM's engine core and
 worker keep both cores busy once steps run without drafts, and a reader thread in the test's own process
-waits for the GIL held by that process's other threads, which wait on the run queue (measured: runqueue
-waits of 2-9 s per second over the client's threads, chunks read 1-2 s late; benchmarks/notes.md "A drafter
-fault's pause"). This process holds nothing but the readers and runs them at real-time priority where
+waits for the GIL held by that process's other threads, which wait on the run queue, and reads chunks late
+(benchmarks/notes.md "A drafter fault's pause"). This process holds nothing but the readers and runs them at real-time priority where
 allowed (root or CAP_SYS_NICE), so each chunk is timed when the server sent it (give or take the network
 stack), not when a busy test process got round to it.
 

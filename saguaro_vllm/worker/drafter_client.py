@@ -150,7 +150,7 @@ class DrafterClient:
         socket_dir = endpoint_dir(self.endpoint)
         self.chan = Channel(self.endpoint, bind=True, accepts=ToProposer)
         bootstrap = os.path.join(socket_dir, "bootstrap.json")
-        cores = self.cfg.get("draft_cores") or [] if self.cfg.get("device") == "cpu" else []
+        cores = (self.cfg.get("draft_cores") or []) if self.cfg.get("device") == "cpu" else []
         restore_nice = loading_nice()
         fd = os.open(bootstrap, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
