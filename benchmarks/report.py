@@ -535,18 +535,21 @@ def soak_section(data: dict) -> list[str]:
     if companions:
         out += ["", "Other soak runs of the day:", ""] + [companion_line(d) for d in companions]
     others = load.get("other_cpu_s_total") or 0.0
+    others_cores = others / max(data["traffic_s"] + data["drain_s"], 1)
     out += ["", f"Growth is measured from the first sample {fmt(st.get('warmup_s'), '.0f')} s into the run "
             "(why the worker climbs: [dev/troubleshooting.md](dev/troubleshooting.md#memory)). "
             + ("Each drafter is measured over its own life, a replacement from "
                f"{fmt(st.get('drafter_settle_s'), '.0f')} s after it was ready. " if drafters is not None else
                "The drafter row compares the first drafter (start) with the last replacement (end). ")
             + (f"Other processes used {others:.0f} CPU-seconds of the {data['machine']['cpus']} cores during "
-               f"the run (about {others / max(data['traffic_s'] + data['drain_s'], 1):.1f} cores on average): "
-               "the figures are from a shared machine." if others > 5 else
-               "No other process used the cores noticeably during the run."), ""]
+               f"the run (about {others_cores:.2f} cores on average): "
+               + ("the figures are from a shared machine." if others_cores >= SHARED_CORES else
+                  "the machine was otherwise idle.")), ""]
     return out
 
 
+#: Cores other processes used on average during a soak from which its page calls the machine shared.
+SHARED_CORES = 0.05
 #: Dashboard counters a soak's section names (docs/metrics.md), by their sample name's start.
 SOAK_COUNTERS = ("vllm:saguaro_drafter_restarts_total", "vllm:saguaro_drafter_failures_total",
                  "vllm:saguaro_rounds_total", "vllm:saguaro_backups_total", "vllm:saguaro_rows_undrafted_total",

@@ -38,12 +38,12 @@ of the requests not streamed, a tenth closed mid-stream, a tenth with n > 1, a t
 a SIGKILL and a SIGSTOP alternating every 360 s (five faults in 30 minutes), the greedy replay, a warm-up of
 min(120 s, duration / 6), `saguaro.max_restarts: 50` and `saguaro.fallback: off`.
 
-The restart budget: the default, 5, refills only after 10 healthy minutes, so the five faults spend it, and a
-first 30-minute run with it lost it earlier to 3 replacements the plugin made on its own (each judging hung a
-drafter that got no CPU time during a deadline of 1-1.4 s on the shared machine; the next run's /proc samples
-show such drafters runnable, state R) and served without speculation from its third fault on
-(benchmarks/results/2026-12-07-soak-default-budget.json). With 50 the soak keeps speculating and lists every
-such replacement (`unexpected_replacements`: the plugin's log line and the process's last /proc samples).
+The restart budget: the default, 5, refills only after 10 healthy minutes, so the five faults spend it
+exactly; on a machine shared with other runs, replacements the plugin makes on its own (a drafter that got no
+CPU time during a deadline of 1-1.4 s is judged hung) spend it earlier, and speculation stops
+(benchmarks/results/2026-12-07-soak-default-budget.json). With 50 the soak keeps speculating there and lists
+every such replacement (`unexpected_replacements`: the plugin's log line and the process's last /proc samples).
+`--full --fallback auto --max-restarts 5` is the soak with the plugin's defaults, for a machine to itself.
 
 `fallback: off`: every round pre-drafts, so SSD's machinery (branches, speculation cache, branch KV blocks)
 runs on every step for the whole soak. With the default (`auto`) on the
@@ -61,6 +61,7 @@ on docs/benchmarks.md and docs/troubleshooting.md by benchmarks/report.py.
     .venv/bin/python benchmarks/soak.py --duration 30            # quick check
     .venv/bin/python benchmarks/soak.py --kill-at 120 --warmup-s 60   # 5 minutes, one kill
     .venv/bin/python benchmarks/soak.py --full --duration 1800   # issue 44's soak: 30 minutes
+    .venv/bin/python benchmarks/soak.py --full --duration 1800 --fallback auto --max-restarts 5   # the defaults
     .venv/bin/python benchmarks/soak.py --full --duration 180 --fault-every 60 --name soak-debug   # 3 minutes
     .venv/bin/python benchmarks/soak.py --temperatures 0 --name soak-greedy-reference   # greedy only
     .venv/bin/python benchmarks/soak.py --model T --draft D      # another pair
