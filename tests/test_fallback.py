@@ -63,6 +63,25 @@ def test_predrafting_resumes_when_its_costs_come_back():
     assert "pre-drafting steps" in planner.switch.reason
 
 
+@pytest.mark.parametrize("lead, resumes", [(1.02, False), (1.10, True)])
+def test_a_lead_within_the_margin_keeps_the_fallback(lead, resumes):
+    """In the fallback, probes that measure pre-drafting steps a little faster than `sync` ones (within
+    RESUME_MARGIN: the noise of the decayed rates) keep it; a lead beyond the margin brings pre-drafting
+    back. Without the margin a tie flips the mode after every probe."""
+    planner = _planner_with_costs(verify_s=0.058, forward_s=0.02, glue_s=0.1)
+    _run_rounds(planner, 3, lambda pre: (0.058, 0.1))
+    assert not planner.switch.predrafting
+    sync_s = 0.058 + 0.1  # pre-drafting steps `lead` times as fast, the glue cheap again
+    modes = _run_rounds(planner, 3 * (PROBE_EVERY + PROBE_ROUNDS),
+                        lambda pre: (0.058, sync_s / lead - 0.058 if pre else 0.1), glue_s=0.004)
+    assert planner.switch.rate(True) == pytest.approx(lead * planner.switch.rate(False), rel=0.01)
+    if not resumes:
+        assert not planner.switch.predrafting and sum(modes) == 3 * PROBE_ROUNDS, modes  # the probes only
+    else:
+        cycle = modes[-(PROBE_EVERY + PROBE_ROUNDS):]  # pre-drafting, `sync` probed PROBE_ROUNDS rounds at most
+        assert planner.switch.predrafting and sum(cycle) >= PROBE_EVERY, modes
+
+
 def test_measured_rates_decide_and_the_sync_estimate_stands_in_before_sync_is_measured():
     """The glue fits, but steps after a pre-draft commit fewer tokens per second than the step-cost model
     says `sync` drafting would (lateness eats the saving): fall back on that estimate; later measured
