@@ -15,7 +15,8 @@ temperature there), then `generate` calls of `--max-tokens` per request until `-
 measured (a single 48-token call lasts 0.1-0.5 s at batch 1: one scheduler hiccup would decide it).
 Each cell reports tokens/s as a user sees them (generated tokens over the `generate` calls' wall time),
 and for `async` the cache hit rate and the share of steps that followed a pre-draft (the rest were
-drafted as `sync` does: `vllm:saguaro_rounds{mode}`).
+drafted as `sync` does: `vllm:saguaro_rounds{mode}`); for Saguaro's engines, where a step's time goes: the
+wall time per engine step, the worker's wait for the drafter's answer in it, and the drafter's compute.
 
     .venv/bin/python benchmarks/regimes.py                                   # the whole matrix
     .venv/bin/python benchmarks/regimes.py --ratios 1 --vocabs 128256 --batches 16 --temperatures 0
@@ -38,6 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 CACHE = Path(os.environ.get("SAGUARO_CACHE", Path.home() / ".cache" / "saguaro-vllm")) / "regimes"
 ENGINES = ("sync", "async", "draft_model")
+#: Saguaro samples a cell's counters take: totals, and the sums and counts of the drafter's step and compute
+#: times (per-step figures).
+PER_STEP = ("_total", "drafter_step_seconds_sum", "drafter_step_seconds_count", "drafter_compute_seconds_sum")
 DRAFT_HIDDEN = 32
 LAYERS = 2
 PROMPT_LEN = 12
@@ -98,6 +102,10 @@ def run_engine(engine: str, target: Path, draft: Path, args: argparse.Namespace)
         with open(log, "w") as f:
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", str(req), str(out)],
                                   env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout_s, check=False)
+        if args.logs:  # each engine process's log (the drafter's lines too: why SSD pre-drafted or not)
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            Path(args.logs, f"{target.parent.name}-{target.name}-{engine}-{time.strftime('%H%M%S')}.log").write_text(
+                log.read_text())
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"{engine} on {target.name} failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
         return json.loads(out.read_text())
@@ -124,7 +132,7 @@ def worker(req_path: str, out_path: str) -> None:
         if r["engine"] != "draft_model":
             from saguaro_vllm.worker.metrics import saguaro_samples
 
-            out.update({k: v for k, v in saguaro_samples().items() if k.split("{")[0].endswith("_total")})
+            out.update({k: v for k, v in saguaro_samples().items() if k.split("{")[0].endswith(PER_STEP)})
         return out
 
     def generate(batch: int, t: float, max_tokens: int) -> float:
@@ -151,12 +159,18 @@ def worker(req_path: str, out_path: str) -> None:
             pre = d.get('vllm:saguaro_rounds_total{mode="predraft"}', 0)
             sync = d.get('vllm:saguaro_rounds_total{mode="sync"}', 0)
             drafted = d.get("vllm:spec_decode_num_draft_tokens", 0)
+            steps = d.get("vllm:saguaro_drafter_step_seconds_count", 0)
             results.append({
                 "engine": r["engine"], "batch": batch, "temperature": t, "wall_s": wall, "calls": calls,
                 "tokens_per_s": calls * batch * r["max_tokens"] / wall,
                 "acceptance": d.get("vllm:spec_decode_num_accepted_tokens", 0) / drafted if drafted else None,
                 "hit_rate": hits / lookups if lookups else None,
                 "predraft_share": pre / (pre + sync) if pre + sync else None,
+                # where a step's time goes (Saguaro's engines): the engine step, the worker's wait for the
+                # drafter's answer, the drafter's compute inside it
+                "step_ms": 1e3 * wall / steps if steps else None,
+                "round_trip_ms": 1e3 * d.get("vllm:saguaro_drafter_step_seconds_sum", 0) / steps if steps else None,
+                "compute_ms": 1e3 * d.get("vllm:saguaro_drafter_compute_seconds_sum", 0) / steps if steps else None,
             })
             print(json.dumps(results[-1]), flush=True)
     Path(out_path).write_text(json.dumps(results))
@@ -179,6 +193,9 @@ def summarize(runs: list[dict], args: argparse.Namespace, pairs: dict) -> dict:
                     if engine == "async":
                         e.update(hit_rate=_mean([x["hit_rate"] for x in mine]),
                                  predraft_share=_mean([x["predraft_share"] for x in mine]))
+                    for key in ("step_ms", "round_trip_ms", "compute_ms"):
+                        if any(x.get(key) is not None for x in mine):
+                            e[key] = _mean([x.get(key) for x in mine])
                     engines[engine] = e
                 cell = {"ratio": ratio, "vocab": vocab, "batch": batch, "temperature": t, "width": width,
                         "compute_ratio": round(compute_ratio, 4), "engines": engines}
@@ -219,6 +236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds each cell measures at least (whole `generate` calls; 0: one call)")
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument("--label", default="matrix", help="results file: <date>-regimes-<label>.json")
+    p.add_argument("--logs", help="keep each engine process's log in this directory")
     p.add_argument("--note", default="", help="free text stored with the results and shown on the page")
     args = p.parse_args(argv)
     args.ratios = [float(x) for x in args.ratios.split(",")]

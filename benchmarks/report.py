@@ -1086,10 +1086,11 @@ def case_section(data: dict, title: str, question: str) -> list[str]:
 
 
 def load_regimes() -> dict | None:
-    """The newest `benchmarks/regimes.py` result (`<date>-regimes-<label>.json`), if any; a `smoke*` label
-    only where no other result exists (a smoke run beside the matrix of the same date must not hide it)."""
+    """The newest `benchmarks/regimes.py` result (`<date>-regimes-<label>.json`), if any: a `matrix*` label
+    (the whole matrix) before any other (a smoke run, or a few cells measured for the notes, beside the
+    matrix of the same date must not hide it)."""
     def rank(path: Path) -> tuple[bool, str]:
-        return not path.stem.split("-regimes-", 1)[1].startswith("smoke"), path.name
+        return path.stem.split("-regimes-", 1)[1].startswith("matrix"), path.name
 
     found = sorted(RESULTS.glob("*-regimes-*.json"), key=rank)
     return json.loads(found[-1].read_text()) | {"_file": found[-1].name} if found else None

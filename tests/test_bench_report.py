@@ -168,13 +168,16 @@ def test_cost_regimes_misses_say_whether_the_repeats_decide(tmp_path, monkeypatc
     assert report.regimes_misses({"cells": [cell | {"met": True}]}) == []
 
 
-def test_cost_regimes_prefers_the_matrix_to_a_smoke_run(tmp_path, monkeypatch):
+def test_cost_regimes_prefers_the_matrix_to_a_smoke_or_partial_run(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     (tmp_path / "2027-01-01-regimes-smoke.json").write_text('{"note": "smoke"}')
     assert report.load_regimes()["note"] == "smoke"  # only a smoke run: it is shown
     (tmp_path / "2027-01-01-regimes-matrix.json").write_text('{"note": "matrix"}')
     (tmp_path / "2027-01-02-regimes-smoke.json").write_text('{"note": "later smoke"}')
+    (tmp_path / "2027-01-02-regimes-t1-steps.json").write_text('{"note": "a few cells for the notes"}')
     assert report.load_regimes()["note"] == "matrix"
+    (tmp_path / "2027-01-03-regimes-matrix2.json").write_text('{"note": "matrix2"}')
+    assert report.load_regimes()["note"] == "matrix2"
 
 
 def test_sweep_report(tmp_path, monkeypatch):

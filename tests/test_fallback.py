@@ -63,6 +63,25 @@ def test_predrafting_resumes_when_its_costs_come_back():
     assert "pre-drafting steps" in planner.switch.reason
 
 
+@pytest.mark.parametrize("lead, resumes", [(1.02, False), (1.10, True)])
+def test_a_lead_within_the_margin_keeps_the_fallback(lead, resumes):
+    """In the fallback, probes that measure pre-drafting steps a little faster than `sync` ones (within
+    RESUME_MARGIN: the noise of the decayed rates) keep it; a lead beyond the margin brings pre-drafting
+    back. Without the margin a tie flips the mode after every probe."""
+    planner = _planner_with_costs(verify_s=0.058, forward_s=0.02, glue_s=0.1)
+    _run_rounds(planner, 3, lambda pre: (0.058, 0.1))
+    assert not planner.switch.predrafting
+    sync_s = 0.058 + 0.1  # pre-drafting steps `lead` times as fast, the glue cheap again
+    modes = _run_rounds(planner, 3 * (PROBE_EVERY + PROBE_ROUNDS),
+                        lambda pre: (0.058, sync_s / lead - 0.058 if pre else 0.1), glue_s=0.004)
+    assert planner.switch.rate(True) == pytest.approx(lead * planner.switch.rate(False), rel=0.01)
+    if not resumes:
+        assert not planner.switch.predrafting and sum(modes) == 3 * PROBE_ROUNDS, modes  # the probes only
+    else:
+        cycle = modes[-(PROBE_EVERY + PROBE_ROUNDS):]  # pre-drafting, `sync` probed PROBE_ROUNDS rounds at most
+        assert planner.switch.predrafting and sum(cycle) >= PROBE_EVERY, modes
+
+
 def test_measured_rates_decide_and_the_sync_estimate_stands_in_before_sync_is_measured():
     """The glue fits, but steps after a pre-draft commit fewer tokens per second than the step-cost model
     says `sync` drafting would (lateness eats the saving): fall back on that estimate; later measured
@@ -117,3 +136,25 @@ def test_predraft_expected_exactly_before_each_round_that_predrafts():
     assert all(e for e, m in zip(expected[1:], modes[1:]) if m), list(zip(expected, modes))
     fallback = [e for e, m in zip(expected[1:], modes[1:]) if not m]
     assert sum(fallback) <= 4 and len(fallback) > 20, fallback  # ahead of a probe only, not every round
+
+
+def test_logits_are_not_kept_while_every_round_skips_its_branch_steps():
+    """Sampled batches: the glue fits and the switch stays "pre-drafting", but no outcome lies within the
+    planned fan-out, so each round skips its branch steps (and its glue) and is drafted as `sync` is. The
+    planner then expects no pre-draft (no draft logits kept for a glue) except before the round that runs
+    the branch steps anyway."""
+    from saguaro_vllm.drafter.round_planner import PROBE_EVERY as SKIP_PROBE
+
+    planner = _planner_with_costs(verify_s=0.1, forward_s=0.005, glue_s=0.01)
+    planner.observe_round(0.1, 0.02, ran_branches=True)  # branch steps make the answer wait 20 ms
+    expected, modes = [], []
+    for _ in range(2 * SKIP_PROBE + 4):
+        expected.append(planner.predraft_expected())
+        planner.end_step(K * 0.005, BATCH * (K + 1), 0, BATCH, jit=True, all_hit=False, planned=BATCH,
+                         covered=0, committed=BATCH * 2, verify_s=0.1)
+        modes.append(planner.predraft_next(BATCH, K))
+    assert planner.switch.predrafting  # the switch alone would keep the logits every round
+    assert sum(modes) <= 3 and not all(modes[-SKIP_PROBE + 1:]), modes  # branch steps skipped, probes aside
+    assert all(e for e, m in zip(expected[1:], modes) if m), list(zip(expected, modes))
+    skipped = [e for e, m in zip(expected[1:], modes) if not m]
+    assert len(skipped) > SKIP_PROBE and sum(skipped) <= 3, list(zip(expected, modes))

@@ -11,6 +11,8 @@ drafts every row just in time after it, exactly as `sync` does (no glue, no late
   glue and a branch step): fall back;
 - the measured tokens per second of steps after a pre-draft against those after none (or, before any
   such step, what `sync` drafting would cost by the step-cost model, with a margin): the slower way goes;
+  from the fallback, pre-drafting comes back only with a lead of RESUME_MARGIN, so measurements within
+  their noise of each other keep the mode (each change's first round pays for it: no branches yet);
 - either way, the other mode is probed now and then (`PROBE_EVERY` rounds, `PROBE_ROUNDS` in a row),
   so the choice follows the workload: pre-drafting resumes where its costs come back.
 A step's figures belong to the round before it: the pre-draft (or its absence) ran during that step's
@@ -33,6 +35,11 @@ MIN_STEPS = 4
 #: share of it: the estimate leaves out the host time and contention of real `sync` steps, so a close call
 #: waits for a probe that measures them.
 ESTIMATE_MARGIN = 0.85
+#: Measured pre-drafting resumes from the fallback only this far ahead of measured `sync` drafting: the
+#: decayed rates of either mode move with the batch's make-up, and without a margin a tie switches modes
+#: every few rounds, each change paying a round without branches; at a tie `sync` drafting stays, as it
+#: costs no pre-draft work on the drafter's cores.
+RESUME_MARGIN = 1.05
 #: Rounds in the fallback (or pre-drafting with its lead not clear) between probes of the other mode.
 PROBE_EVERY = 16
 #: Rounds in a row a probe runs the other mode (the first one's step pays the switch: no branches yet).
@@ -145,6 +152,9 @@ class PreDraftSwitch:
         source = "measured" if measured else "estimated"
         if pre < (sync if measured else ESTIMATE_MARGIN * sync):
             return False, f"pre-drafting steps {pre:.1f} tokens/s, sync drafting {sync:.1f} ({source})"
+        if measured and not self.predrafting and pre < RESUME_MARGIN * sync:
+            return False, (f"pre-drafting steps {pre:.1f} tokens/s, within {RESUME_MARGIN:.2f}x of sync "
+                           f"drafting {sync:.1f}")
         return True, f"pre-drafting steps {pre:.1f} tokens/s, sync drafting {sync:.1f} ({source})"
 
     def _should_probe(self, sync_rate_estimate: float | None) -> bool:

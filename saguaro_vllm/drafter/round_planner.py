@@ -273,6 +273,7 @@ class RoundPlanner:
         0.95), completion carries it."""
         coverage = self.coverage
         return None if coverage is None else coverage * self.completion
+
     def miss_cost_s(self) -> float:
         """What a just-in-time miss adds to an answer (0 until both kinds of answer are measured)."""
         miss, hit = self.answer_s["miss"], self.answer_s["hit"]
@@ -325,6 +326,17 @@ class RoundPlanner:
             self.next_plan = (plan, self.branches_pay_off(plan, batch, k))
             self.predrafted = self.next_plan[1]
         return self.predrafted
+
+    def predraft_expected(self) -> bool:
+        """Whether the next round is expected to pre-draft (a round drafted as `sync` keeps its draft logits
+        for the next glue only then): the switch expects it (`PreDraftSwitch.predraft_expected`) and the
+        branch steps are not being skipped round after round (`branches_pay_off`: a round that skips them
+        runs no glue either), short of the round that runs them anyway. The switch alone stays "pre-drafting"
+        while every round skips its branch steps (sampled batches, whose outcomes the fan-out never covers),
+        and logits kept there for a glue that never comes made each draft forward write fresh memory."""
+        if not self.switch.predraft_expected():
+            return False
+        return self._skipped_in_a_row == 0 or self._skipped_in_a_row + 1 >= PROBE_EVERY
 
     def branches_pay_off(self, plan: PreDraftPlan, batch: int, k: int) -> bool:
         """`predictor.branches_pay_off` for a modelled plan, once lateness and step costs are measured. The

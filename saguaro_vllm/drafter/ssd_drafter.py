@@ -397,7 +397,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
             ans.status[i] = NGRAM if ans.status[i] == JIT else ans.status[i]
         stats.topups = len(topups)
         # the draft logits feed the next pre-draft's glue: not kept where no pre-draft is expected
-        self.keep_logits = not ans.sync_like or self.planner.switch.predraft_expected()
+        self.keep_logits = not ans.sync_like or self.planner.predraft_expected()
         self._draft_now(req, ans.drafts, ans.probs, topups, jit_rows, ans.want)
         return jit_rows
 
