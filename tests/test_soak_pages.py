@@ -10,6 +10,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from saguaro_vllm.tools.server_process import sample_labels
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,15 +27,12 @@ report = _report()
 SOAK = report.load_latest_soak()
 
 
-def _counter(data: dict, name: str) -> float:
-    """A dashboard counter at the soak's end, summed over its `engine` label (absent in older results)."""
+def _counter(data: dict, name: str, **labels: str) -> float:
+    """A dashboard counter at the soak's end, summed over the labels not given (`engine`, absent in older
+    results, among them)."""
     counters = data["dashboard"]["summary"]["counters"]
-    base, _, labels = name.partition("{")
-    wanted = {x for x in labels.rstrip("}").split(",") if x}
-    def labels_of(key: str) -> set[str]:
-        return {x for x in key.partition("{")[2].rstrip("}").split(",") if x and not x.startswith("engine=")}
-
-    return sum(v for k, v in counters.items() if k.partition("{")[0] == base and wanted <= labels_of(k))
+    return sum(v for k, v in counters.items()
+               if k.split("{", 1)[0] == name and labels.items() <= sample_labels(k).items())
 
 
 def _fallback(data: dict) -> str:
@@ -82,7 +81,7 @@ def test_newest_soak_is_the_mixed_soak_under_faults():
     ssd_soaks = [SOAK] if _fallback(SOAK) == "off" else [
         d for d in report.soak_companions(SOAK) if _fallback(d) == "off" and d["settings"]["duration_s"] >= 1800]
     if _fallback(SOAK) != "off":
-        assert sp["cache_hit_rate"] > 0.01 and _counter(SOAK, 'vllm:saguaro_rounds_total{mode="predraft"}') > 0
+        assert sp["cache_hit_rate"] > 0.01 and _counter(SOAK, "vllm:saguaro_rounds_total", mode="predraft") > 0
     assert ssd_soaks, "no 30-minute soak with every round pre-drafting (fallback: off)"
     for d in ssd_soaks:
         assert d["speculation"]["cache_hit_rate"] > 0.1 and d["speculation"]["predraft_share"] > 0.5, d["_file"]

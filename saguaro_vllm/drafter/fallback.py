@@ -128,9 +128,10 @@ class PreDraftSwitch:
         return self.predrafting
 
     def predraft_expected(self) -> bool:
-        """Whether the next round is expected to pre-draft: the switch pre-drafts, a probe of pre-drafting
+        """Whether the switch expects the next round to pre-draft: it pre-drafts, a probe of pre-drafting
         runs, or one is due. Rounds drafted as `sync` keep their draft logits (which spare the next glue the
-        K + 1 depth distributions per request) only then: kept where they go unused, they hold K forwards'
+        K + 1 depth distributions per request) only where `RoundPlanner.predraft_expected` (this, and branch
+        steps not skipped round after round) says so: kept where they go unused, they hold K forwards'
         logits per step (at batch 64 and a 128k vocabulary ~160 MB, each step on fresh memory)."""
         if self.predrafting or self._probe_left > 0:
             return True

@@ -336,7 +336,7 @@ class RoundPlanner:
         and logits kept there for a glue that never comes made each draft forward write fresh memory."""
         if not self.switch.predraft_expected():
             return False
-        return self._skipped_in_a_row == 0 or self._skipped_in_a_row + 1 >= PROBE_EVERY
+        return self._skipped_in_a_row == 0 or self._branch_probe_due(self._skipped_in_a_row + 1)
 
     def branches_pay_off(self, plan: PreDraftPlan, batch: int, k: int) -> bool:
         """`predictor.branches_pay_off` for a modelled plan, once lateness and step costs are measured. The
@@ -357,10 +357,16 @@ class RoundPlanner:
             self._skipped_in_a_row = 0
             return True
         self._skipped_in_a_row += 1
-        if self._skipped_in_a_row >= PROBE_EVERY:
+        if self._branch_probe_due(self._skipped_in_a_row):
             self._skipped_in_a_row = 0
             return True
         return False
+
+    @staticmethod
+    def _branch_probe_due(skipped_in_a_row: int) -> bool:
+        """Whether a round that would be the `skipped_in_a_row`-th in a row to skip its branch steps runs
+        them anyway (so their measurement follows the workload)."""
+        return skipped_in_a_row >= PROBE_EVERY
 
     def observe_rank(self, temperature: float, accepted: int, k: int, rank: int) -> None:
         """A looked-up neural round (k drafts, `accepted` of them accepted) whose bonus token ranked `rank`
