@@ -158,3 +158,31 @@ def test_logits_are_not_kept_while_every_round_skips_its_branch_steps():
     assert all(e for e, m in zip(expected[1:], modes) if m), list(zip(expected, modes))
     skipped = [e for e, m in zip(expected[1:], modes) if not m]
     assert len(skipped) > SKIP_PROBE and sum(skipped) <= 3, list(zip(expected, modes))
+
+
+def test_a_probe_runs_its_branch_steps_whatever_the_hit_floor_measured_before_the_fallback():
+    """The fallback began on stale figures (a cold first glue beyond the verification, after a sampled
+    warm-up whose outcomes lay outside the fan-out: a hit floor near 0). Those figures are measured only in
+    rounds that pre-draft; a probe that let `branches_pay_off` skip its branch steps on them measured a
+    `sync` round and never brought pre-drafting back (regimes, batch 1, T=0, a certain outcome: pre-draft
+    share 0.007). The probe runs them, hits, and pre-drafting resumes."""
+    planner = _planner_with_costs(verify_s=0.058, forward_s=0.02, glue_s=0.1)
+    planner.observe_round(0.058, 0.03, ran_branches=True)  # the warm-up's branch steps made answers wait
+    for _ in range(3):  # sampled warm-up rounds: no outcome within the planned fan-out
+        planner.end_step(0.1, BATCH * (K + 1), 0, BATCH, jit=True, all_hit=False, planned=BATCH, covered=0)
+    assert planner.branch_hit_floor() < 0.1
+    modes, probe_rounds = [planner.predraft_next(BATCH, K)], []
+    for _ in range(2 * (PROBE_EVERY + PROBE_ROUNDS) + 10):
+        if planner.predrafted:  # a certain outcome: every pre-drafted row hits, the answer is immediate
+            planner.switch.observe_glue(BATCH, 0.004)
+            planner.end_step(0.004, BATCH * (K + 1), BATCH, BATCH, jit=False, all_hit=True, ran_branches=True,
+                             planned=BATCH, covered=BATCH, committed=BATCH * (K + 1), verify_s=0.058)
+        else:
+            planner.end_step(K * 0.02, BATCH * (K + 1), 0, BATCH, jit=True, all_hit=False,
+                             committed=BATCH * (K + 1), verify_s=0.058)
+        modes.append(planner.predraft_next(BATCH, K))
+        if planner.switch.probing and not planner.switch.predrafting:
+            probe_rounds.append(modes[-1])
+    assert modes[0] is False and probe_rounds, modes  # the stale glue began the fallback; a probe followed
+    assert all(probe_rounds), probe_rounds  # every probe round pre-drafted, its branch steps included
+    assert planner.switch.predrafting and all(modes[-8:]), modes

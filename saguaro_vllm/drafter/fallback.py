@@ -80,6 +80,7 @@ class PreDraftSwitch:
         self.glue: collections.deque[tuple[int, float]] = collections.deque(maxlen=GLUE_SAMPLES)
         self._since_probe = 0
         self._probe_left = 0
+        self.probing = False  # the round just decided is one of a probe of the other mode
         self._glue_fit: tuple[tuple, StepCostModel | None] = ((), None)
 
     # ---- measurements -------------------------------------------------------------------------------
@@ -112,8 +113,10 @@ class PreDraftSwitch:
         """Whether the next round pre-drafts. `verify_s`: the measured verification; `glue_s`: the glue of
         this round's requests (both None before measured). `sync_rate_estimate`: tokens per second `sync`
         drafting would give by the step-cost model (None: unknown), used until `sync` steps are measured."""
+        self.probing = False
         if self._probe_left > 0:  # a probe runs its rounds to the end
             self._probe_left -= 1
+            self.probing = True
             return not self.predrafting
         wants, reason = self._preferred(verify_s, glue_s, sync_rate_estimate)
         if wants != self.predrafting:
@@ -124,8 +127,13 @@ class PreDraftSwitch:
         if self._since_probe >= PROBE_EVERY and self._should_probe(sync_rate_estimate):
             self._since_probe = 0
             self._probe_left = PROBE_ROUNDS - 1
+            self.probing = True
             return not self.predrafting
         return self.predrafting
+
+    def predraft_probe_next(self) -> bool:
+        """Whether the next round is expected to be one of a probe of pre-drafting from the fallback."""
+        return not self.predrafting and (self._probe_left > 0 or self._since_probe + 1 >= PROBE_EVERY)
 
     def predraft_expected(self) -> bool:
         """Whether the switch expects the next round to pre-draft: it pre-drafts, a probe of pre-drafting

@@ -323,7 +323,16 @@ class RoundPlanner:
                         "paused, drafting as mode sync does", self.switch.reason)
         if self.predrafted:  # a round whose branch steps would not pay has nothing to glue for either
             plan = self.plan(batch, k)
-            self.next_plan = (plan, self.branches_pay_off(plan, batch, k))
+            if self.switch.probing:
+                # a probe of pre-drafting runs it whole, its branch steps included whatever
+                # `branches_pay_off` says: the hit floor, lateness and glue it would judge by are measured
+                # only in rounds that pre-draft, so in the fallback they stay what they were when it began
+                # (a sampled warm-up's coverage, a cold first glue), and a probe that skipped its branch
+                # steps would measure a `sync` round plus a glue and never bring pre-drafting back
+                self._skipped_in_a_row = 0
+                self.next_plan = (plan, True)
+            else:
+                self.next_plan = (plan, self.branches_pay_off(plan, batch, k))
             self.predrafted = self.next_plan[1]
         return self.predrafted
 
@@ -336,6 +345,8 @@ class RoundPlanner:
         and logits kept there for a glue that never comes made each draft forward write fresh memory."""
         if not self.switch.predraft_expected():
             return False
+        if self.switch.predraft_probe_next():  # a probe of pre-drafting runs its branch steps (predraft_next)
+            return True
         return self._skipped_in_a_row == 0 or self._branch_probe_due(self._skipped_in_a_row + 1)
 
     def branches_pay_off(self, plan: PreDraftPlan, batch: int, k: int) -> bool:
