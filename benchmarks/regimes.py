@@ -161,15 +161,12 @@ def worker(req_path: str, out_path: str) -> None:
             sync = d.get('vllm:saguaro_rounds_total{mode="sync"}', 0)
             drafted = d.get("vllm:spec_decode_num_draft_tokens", 0)
             steps = d.get("vllm:saguaro_drafter_step_seconds_count", 0)
-            skipped = sum(v for k, v in d.items() if k.startswith("vllm:saguaro_predraft_skipped"))
             results.append({
                 "engine": r["engine"], "batch": batch, "temperature": t, "wall_s": wall, "calls": calls,
                 "tokens_per_s": calls * batch * r["max_tokens"] / wall,
                 "acceptance": d.get("vllm:spec_decode_num_accepted_tokens", 0) / drafted if drafted else None,
                 "hit_rate": hits / lookups if lookups else None,
                 "predraft_share": pre / (pre + sync) if pre + sync else None,
-                # rounds the switch let pre-draft whose branch steps (and glue) `branches_pay_off` skipped
-                "skipped_share": skipped / (pre + sync) if pre + sync else None,
                 # where a step's time goes (Saguaro's engines): the engine step, the worker's wait for the
                 # drafter's answer, the drafter's compute inside it
                 "step_ms": 1e3 * wall / steps if steps else None,
@@ -197,8 +194,7 @@ def summarize(runs: list[dict], args: argparse.Namespace, pairs: dict) -> dict:
                          "acceptance": _mean([x["acceptance"] for x in mine])}
                     if engine == "async":
                         e.update(hit_rate=_mean([x["hit_rate"] for x in mine]),
-                                 predraft_share=_mean([x["predraft_share"] for x in mine]),
-                                 skipped_share=_mean([x.get("skipped_share") for x in mine]))
+                                 predraft_share=_mean([x["predraft_share"] for x in mine]))
                     for key in ("step_ms", "round_trip_ms", "compute_ms", "late_ms"):
                         if any(x.get(key) is not None for x in mine):
                             e[key] = _mean([x.get(key) for x in mine])

@@ -133,7 +133,11 @@ class PreDraftSwitch:
 
     def predraft_probe_next(self) -> bool:
         """Whether the next round is expected to be one of a probe of pre-drafting from the fallback."""
-        return not self.predrafting and (self._probe_left > 0 or self._since_probe + 1 >= PROBE_EVERY)
+        return not self.predrafting and self._probe_next()
+
+    def _probe_next(self) -> bool:
+        """Whether the next round is expected to be one of a probe of the other mode (under way or due)."""
+        return self._probe_left > 0 or self._since_probe + 1 >= PROBE_EVERY
 
     def predraft_expected(self) -> bool:
         """Whether the switch expects the next round to pre-draft: it pre-drafts, a probe of pre-drafting
@@ -141,9 +145,7 @@ class PreDraftSwitch:
         K + 1 depth distributions per request) only where `RoundPlanner.predraft_expected` (this, and branch
         steps not skipped round after round) says so: kept where they go unused, they hold K forwards'
         logits per step (at batch 64 and a 128k vocabulary ~160 MB, each step on fresh memory)."""
-        if self.predrafting or self._probe_left > 0:
-            return True
-        return self._since_probe + 1 >= PROBE_EVERY
+        return self.predrafting or self._probe_next()
 
     def _preferred(self, verify_s, glue_s, sync_rate_estimate) -> tuple[bool, str]:
         """The mode the measurements favour, and why."""
