@@ -36,6 +36,7 @@ from saguaro_vllm.drafter.scale_choice import ScaleChoice, temperature_bucket
 from saguaro_vllm.drafter.spec_cache import SpeculationCache
 from saguaro_vllm.drafter.sync_drafter import NO_ROOM, SyncDrafter, _ReqState
 from saguaro_vllm.drafter.trace import rank_of
+from saguaro_vllm.shared.proposal_buffers import SlotWriter
 from saguaro_vllm.shared.transport import StepRequest, StepResponse
 
 logger = logging.getLogger("saguaro_vllm.drafter")
@@ -236,7 +237,8 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         return logits
 
     # ---- the answer ---------------------------------------------------------------------------------
-    def step(self, req: StepRequest) -> StepResponse:
+    def _draft_step(self, req: StepRequest, writer: SlotWriter) -> StepResponse:
+        """The answer (`SyncDrafter.step` holds `writer`, the proposal slot of its sampled rows' q')."""
         t0 = time.perf_counter()
         stats, ran_branches = self._close_round(req)
         if self.trace is not None:
@@ -254,11 +256,11 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         if stats.verify_s > 0 and NEW not in ans.status and req.rows:
             committed = sum(len(r.new_tokens) for r, x in zip(req.rows, ans.status) if x in (HIT, JIT))
             self.planner.measure_rate(committed, stats.verify_s)
-        jit_rows = self._back_up(req, ans, stats)
+        jit_rows = self._back_up(req, ans, stats, writer)
         for i in self._end_step(ans.drafts):
             ans.status[i] = NO_ROOM
-        probs_slot, probs_rows = self._publish_probs(req, ans.drafts, ans.probs)
-        roots, k = self._send_rounds(req, ans, stats)
+        probs_slot, probs_rows = self._publish_probs(req, ans.drafts, ans.probs, writer)
+        roots, k = self._send_rounds(req, ans, stats, writer)
         stats.alpha = self.predictor.neural.alpha
         looked_up = [x for x in ans.status if x in (HIT, JIT, NGRAM)]
         answer_s = time.perf_counter() - t0
@@ -373,7 +375,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         if self.scale_choice is not None and sent.scale is not None and had_branches:
             self.scale_choice.observe(st.sampling.temperature, sent.scale, outcome.accepted + 1, missed=missed)
 
-    def _back_up(self, req: StepRequest, ans: _Answer, stats: SSDStats) -> list[int]:
+    def _back_up(self, req: StepRequest, ans: _Answer, stats: SSDStats, writer: SlotWriter) -> list[int]:
         """Misses and cut-short hits: those worth it are drafted now (jit, top-ups; `_choose_draft_now`),
         the other misses get their n-gram drafts or none. Returns the jit rows."""
         if ans.sync_like:  # no pre-draft ran for this step: every row is drafted now, as `sync` does
@@ -398,7 +400,7 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         stats.topups = len(topups)
         # the draft logits feed the next pre-draft's glue: not kept where no pre-draft is expected
         self.keep_logits = not ans.sync_like or self.planner.predraft_expected()
-        self._draft_now(req, ans.drafts, ans.probs, topups, jit_rows, ans.want)
+        self._draft_now(req, ans, topups, jit_rows, writer)
         return jit_rows
 
     def _trace_backups(self, req: StepRequest, ans: _Answer, ngram: dict[int, list[int]]) -> None:
@@ -424,7 +426,8 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         rec["answer_s"] = answer_s
         rec["hit_rate"], rec["rate"] = self.planner.hit_rate, self.planner.rate
 
-    def _send_rounds(self, req: StepRequest, ans: _Answer, stats: SSDStats) -> tuple[list[str], int]:
+    def _send_rounds(self, req: StepRequest, ans: _Answer, stats: SSDStats, writer: SlotWriter
+                     ) -> tuple[list[str], int]:
         """Every row with drafts starts a round (what the next lookup is against; returned with the most
         drafts a row wants, for the pre-draft `step` queues unless the planner falls back); sampled rows
         note their C, and with `sampling_scale: "auto"` choose the next one.
@@ -443,7 +446,9 @@ class SSDDrafter(PreDrafter, SyncDrafter):
             st = self.reqs[row.req_id]
             fast = i in ans.fast and bool(ans.drafts[i])
             sent = _Sent(len(st.context), list(ans.drafts[i]), fast, want=ans.want[i])
-            if i in ans.probs and not fast:  # sampled drafts: the C they were drafted with, then the next round's
+            # sampled drafts (q' copied at publishing, or written in place): the C they were drafted with, then
+            # the next round's
+            if (i in ans.probs or i in writer.written) and not fast:
                 sent.scale = self._scale_of(st)
                 stats.sampled_drafts += len(ans.drafts[i])
                 stats.scaled_drafts += len(ans.drafts[i]) if sent.scale < 1.0 else 0
@@ -477,9 +482,10 @@ class SSDDrafter(PreDrafter, SyncDrafter):
                                                 self.predictor.neural.alpha, self.predictor.ngram_matched.mean)
         return self.planner.draft_now(candidates, base)
 
-    def _draft_now(self, req: StepRequest, drafts, probs, topups, jit_rows, want) -> None:
-        """Draft on the critical path: `want[row]` (K) tokens for jit misses, the missing tail of hits cut
-        short. Misses that find no room let go of their KV (hits keep theirs: they have drafts)."""
+    def _draft_now(self, req: StepRequest, ans: _Answer, topups, jit_rows, writer: SlotWriter) -> None:
+        """Draft on the critical path: `ans.want[row]` (K) tokens for jit misses, the missing tail of hits cut
+        short. Misses that find no room let go of their KV (hits keep theirs: they have drafts). Sampled rows'
+        q' go straight into `writer`'s slot where they all fit (`_in_place`)."""
         tight = self.runner.num_free_blocks < self._total_blocks // 4
         if (jit_rows or topups) and (self._garbage or self._garbage_rounds) and tight:
             self._flush_garbage()  # the KV cache is tight: the deferred branches' blocks are needed now
@@ -487,13 +493,34 @@ class SSDDrafter(PreDrafter, SyncDrafter):
         chunks = []
         for i in jit_rows:
             chunks.append(self._context_chunk(req.rows[i].req_id, self.reqs[req.rows[i].req_id]))
-            jobs[i] = want[i]
+            jobs[i] = ans.want[i]
         for i, more in topups:  # fed: the branch's last token (its KV is not written yet)
             rid = req.rows[i].req_id
-            chunks.append((rid, [drafts[i][-1]], self.runner.num_computed(rid)))
+            chunks.append((rid, [ans.drafts[i][-1]], self.runner.num_computed(rid)))
             jobs[i] = more
         order = list(jit_rows) + [i for i, _ in topups]
-        self._draft_chains(req, order, chunks, jobs, drafts, probs, evictable=set(jit_rows))
+        slot = writer if self._in_place(req, ans, order, writer) else None
+        self._draft_chains(req, order, chunks, jobs, ans.drafts, ans.probs, evictable=set(jit_rows), slot=slot)
+
+    def _in_place(self, req: StepRequest, ans: _Answer, order: list[int], writer: SlotWriter) -> bool:
+        """Whether the q' drafted now can go straight into `writer`'s slot, one batched write per forward, as
+        `sync` writes them: each forward's q' is then freed at once instead of held until the answer (held,
+        every forward's sampler wrote fresh memory: its cumsum took 1.4x `sync`'s at batch 16, vocabulary
+        128k). Every sampled row, the hits whose branch q' is copied at publishing included, must fit beside a
+        one-hot row per other drafted row (`fit_rows` would keep them all); their slot rows are taken in
+        answer order, the order the target's sampler reads without copying."""
+        if not writer.available or not order:
+            return False
+        drafted_now = [i for i in order if not self.reqs[req.rows[i].req_id].sampling.greedy]
+        if not drafted_now:
+            return False
+        sampled = set(drafted_now) | {i for i, p in ans.probs.items() if p and ans.drafts[i]}
+        others = sum(1 for i, d in enumerate(ans.drafts) if (d or i in order) and i not in sampled)
+        if len(sampled) > writer.ring.rows - others:
+            return False
+        for i in sorted(sampled):
+            writer.row_of(i)
+        return True
 
     def _sample(self, st: _ReqState, logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sampled drafts for rows of one request at one depth (e.g. its branches' next tokens)."""

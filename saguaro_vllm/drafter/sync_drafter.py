@@ -339,7 +339,7 @@ class SyncDrafter:
         slower). So do the sampled rows beyond what the slot holds beside a one-hot row per other drafted row
         (`fit_rows`; the ring's rows are `saguaro.max_sampled_rows`): counted in `probs_capped`."""
         self.probs_capped = 0
-        if writer is not None and writer.written:  # rows written in place while drafting: keep those with drafts
+        if writer is not None and writer.rows:  # slot rows taken while drafting: keep those with drafts
             writer.compact(lambda i: bool(drafts[i]))
         # In answer order (async adds jit rows after the hits): slot rows then follow the batch, the layout
         # in which the target's sampler reads them without copying (patches/model_runner.aligned_draft_probs)
