@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from saguaro_vllm.drafter.fallback import MIN_STEPS, PROBE_EVERY, PROBE_ROUNDS, PreDraftSwitch
+from saguaro_vllm.drafter.fallback import MIN_STEPS, PROBE_EVERY, PROBE_EVERY_MAX, PROBE_ROUNDS, PreDraftSwitch
 from saguaro_vllm.drafter.round_planner import RoundPlanner
 
 K, BATCH = 5, 16
@@ -36,17 +36,46 @@ def _run_rounds(planner: RoundPlanner, n: int, period_s, glue_s: float | None = 
     return modes
 
 
+def _probe_starts(modes: list[bool]) -> list[int]:
+    """The first round of each run of pre-drafting rounds."""
+    return [i for i, m in enumerate(modes) if m and (i == 0 or not modes[i - 1])]
+
+
 def test_glue_beyond_the_verification_means_no_predraft_and_probes_later():
     """The glue alone costs more than the verification: no branch can be ready when the request comes, so
-    the plan is "no pre-draft"; every PROBE_EVERY rounds PROBE_ROUNDS rounds pre-draft again."""
+    the plan is "no pre-draft"; PROBE_ROUNDS rounds pre-draft again after PROBE_EVERY rounds, and each probe
+    that keeps the fallback doubles the wait for the next, up to PROBE_EVERY_MAX (a probe pre-drafts
+    beside the verification and slows it: in a regime where it loses, it costs what it measures)."""
     planner = _planner_with_costs(verify_s=0.058, forward_s=0.02, glue_s=0.1)
-    modes = _run_rounds(planner, 2 * (PROBE_EVERY + PROBE_ROUNDS) + 2, lambda pre: (0.058, 0.1))
+    gaps = [PROBE_EVERY * 2 ** i for i in range(4)]  # 16, 32, 64, 128 -> capped at 64
+    modes = _run_rounds(planner, sum(min(g, PROBE_EVERY_MAX) + PROBE_ROUNDS for g in gaps) + 2,
+                        lambda pre: (0.058, 0.1))
     assert modes[0] is False
     assert "glue" in planner.switch.reason and "verification" in planner.switch.reason, planner.switch.reason
-    probes = [i for i, m in enumerate(modes) if m]
-    assert len(probes) == 2 * PROBE_ROUNDS, modes  # two probes of PROBE_ROUNDS rounds each, nothing else
-    assert probes[PROBE_ROUNDS] - probes[0] == PROBE_EVERY + PROBE_ROUNDS - 1
+    starts = _probe_starts(modes)
+    assert sum(modes) == len(starts) * PROBE_ROUNDS == 4 * PROBE_ROUNDS, modes  # whole probes, nothing else
+    waits = [b - a - PROBE_ROUNDS + 1 for a, b in zip(starts, starts[1:])]
+    assert waits == [2 * PROBE_EVERY, 4 * PROBE_EVERY, PROBE_EVERY_MAX] == [min(g, PROBE_EVERY_MAX) for g in gaps[1:]]
     assert not planner.switch.predrafting
+
+
+def test_a_batch_that_changed_since_the_last_probe_is_probed_soon():
+    """After a probe that kept the fallback doubled the wait, a batch twice the size of the last probe's is
+    probed again PROBE_EVERY rounds after the last probe: its costs are not the ones that probe measured.
+    The same batch waits the doubled interval."""
+    def rounds_until_probe(batch: int) -> int:
+        planner = _planner_with_costs(verify_s=0.058, forward_s=0.02, glue_s=0.1)
+        modes = _run_rounds(planner, PROBE_EVERY + PROBE_ROUNDS + 1, lambda pre: (0.058, 0.1))
+        assert sum(modes) == PROBE_ROUNDS and not modes[-1], modes  # one probe, just over
+        for n in range(1, 3 * PROBE_EVERY):
+            planner.end_step(0.1, batch * (K + 1), 0, batch, jit=True, all_hit=False,
+                             committed=batch * (K + 1), verify_s=0.058)
+            if planner.predraft_next(batch, K):
+                return n
+        return -1
+
+    assert rounds_until_probe(BATCH) == 2 * PROBE_EVERY - 1
+    assert rounds_until_probe(2 * BATCH) == rounds_until_probe(BATCH // 2) == PROBE_EVERY - 1
 
 
 def test_predrafting_resumes_when_its_costs_come_back():
@@ -72,11 +101,13 @@ def test_a_lead_within_the_margin_keeps_the_fallback(lead, resumes):
     _run_rounds(planner, 3, lambda pre: (0.058, 0.1))
     assert not planner.switch.predrafting
     sync_s = 0.058 + 0.1  # pre-drafting steps `lead` times as fast, the glue cheap again
-    modes = _run_rounds(planner, 3 * (PROBE_EVERY + PROBE_ROUNDS),
+    # probes after 16 rounds (pre-drafting not measured yet: MIN_STEPS), 16 (measured), 32 (doubled)
+    modes = _run_rounds(planner, 2 * (PROBE_EVERY + PROBE_ROUNDS) + 2 * PROBE_EVERY + PROBE_ROUNDS,
                         lambda pre: (0.058, sync_s / lead - 0.058 if pre else 0.1), glue_s=0.004)
     assert planner.switch.rate(True) == pytest.approx(lead * planner.switch.rate(False), rel=0.01)
     if not resumes:
-        assert not planner.switch.predrafting and sum(modes) == 3 * PROBE_ROUNDS, modes  # the probes only
+        assert not planner.switch.predrafting, modes
+        assert sum(modes) == len(_probe_starts(modes)) * PROBE_ROUNDS >= 2 * PROBE_ROUNDS, modes  # probes only
     else:
         cycle = modes[-(PROBE_EVERY + PROBE_ROUNDS):]  # pre-drafting, `sync` probed PROBE_ROUNDS rounds at most
         assert planner.switch.predrafting and sum(cycle) >= PROBE_EVERY, modes

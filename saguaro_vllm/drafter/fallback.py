@@ -13,8 +13,12 @@ drafts every row just in time after it, exactly as `sync` does (no glue, no late
   such step, what `sync` drafting would cost by the step-cost model, with a margin): the slower way goes;
   from the fallback, pre-drafting comes back only with a lead of RESUME_MARGIN, so measurements within
   their noise of each other keep the mode (each change's first round pays for it: no branches yet);
-- either way, the other mode is probed now and then (`PROBE_EVERY` rounds, `PROBE_ROUNDS` in a row),
-  so the choice follows the workload: pre-drafting resumes where its costs come back.
+- either way, the other mode is probed now and then (`PROBE_ROUNDS` in a row), so the choice follows the
+  workload: pre-drafting resumes where its costs come back. A probe costs what the losing mode costs
+  (pre-drafting beside the verification slows it where the cores share caches and memory bandwidth), so
+  each probe that keeps the mode doubles the wait for the next, from `PROBE_EVERY` rounds up to
+  `PROBE_EVERY_MAX`; a change of mode, or of the batch by `REPROBE_BATCH_CHANGE`x since the last probe,
+  starts again at `PROBE_EVERY`.
 A step's figures belong to the round before it: the pre-draft (or its absence) ran during that step's
 verification and decided its hits, lateness and answer time.
 """
@@ -40,13 +44,21 @@ ESTIMATE_MARGIN = 0.85
 #: every few rounds, each change paying a round without branches; at a tie `sync` drafting stays, as it
 #: costs no pre-draft work on the drafter's cores.
 RESUME_MARGIN = 1.05
-#: Rounds in the fallback (or pre-drafting with its lead not clear) between probes of the other mode.
+#: Rounds in the fallback (or pre-drafting with its lead not clear) before the first probe of the other mode;
+#: each probe that keeps the mode doubles it ...
 PROBE_EVERY = 16
+#: ... up to this many rounds (~4 % of rounds in probes instead of 16 %).
+PROBE_EVERY_MAX = 64
+#: A batch this many times larger or smaller than at the last probe probes at PROBE_EVERY again: the glue, the
+#: branch steps and the verification scale differently with the batch, so the last probe's verdict is stale.
+REPROBE_BATCH_CHANGE = 2.0
 #: Rounds in a row a probe runs the other mode (the first one's step pays the switch: no branches yet).
 PROBE_ROUNDS = 3
 #: Pre-drafting keeps going without probing `sync` while its measured rate is this far ahead of the one
 #: estimated for `sync` by the step-cost model.
 CLEAR_LEAD = 1.3
+#: The switch's reason while a mode's rate is not measured yet (a probe that ends so does not count as lost).
+NOT_MEASURED = "not measured yet"
 #: Glue timings kept (requests glued, seconds): the last few, so that one probe's rounds replace them.
 GLUE_SAMPLES = 6
 
@@ -80,6 +92,9 @@ class PreDraftSwitch:
         self.glue: collections.deque[tuple[int, float]] = collections.deque(maxlen=GLUE_SAMPLES)
         self._since_probe = 0
         self._probe_left = 0
+        self.probe_every = PROBE_EVERY  # rounds between probes (doubled by each probe that keeps the mode)
+        self._probe_batch: int | None = None  # the batch of the last probe's first round
+        self._probe_ended = False  # the last probe's rounds are all decided; its verdict is not yet drawn
         self.probing = False  # the round just decided is one of a probe of the other mode
         self._glue_fit: tuple[tuple, StepCostModel | None] = ((), None)
 
@@ -109,24 +124,36 @@ class PreDraftSwitch:
         return self.rates[predrafted].rate if self.samples[predrafted] >= MIN_STEPS else None
 
     # ---- the decision --------------------------------------------------------------------------------
-    def decide(self, verify_s: float | None, glue_s: float | None, sync_rate_estimate: float | None) -> bool:
+    def decide(self, verify_s: float | None, glue_s: float | None, sync_rate_estimate: float | None,
+               batch: int | None = None) -> bool:
         """Whether the next round pre-drafts. `verify_s`: the measured verification; `glue_s`: the glue of
         this round's requests (both None before measured). `sync_rate_estimate`: tokens per second `sync`
-        drafting would give by the step-cost model (None: unknown), used until `sync` steps are measured."""
+        drafting would give by the step-cost model (None: unknown), used until `sync` steps are measured.
+        `batch`: the round's requests (a large change since the last probe brings the next one forward)."""
         self.probing = False
         if self._probe_left > 0:  # a probe runs its rounds to the end
             self._probe_left -= 1
             self.probing = True
+            self._probe_ended = self._probe_left == 0
             return not self.predrafting
         wants, reason = self._preferred(verify_s, glue_s, sync_rate_estimate)
+        ended, self._probe_ended = self._probe_ended, False
         if wants != self.predrafting:
             self.predrafting, self.reason = wants, reason
             self._since_probe = 0
+            self.probe_every = PROBE_EVERY
             return wants
+        if ended and reason != NOT_MEASURED:  # the probe measured both modes and the mode stays: wait longer
+            self.probe_every = min(2 * self.probe_every, PROBE_EVERY_MAX)
+        if batch and self._probe_batch and max(batch, self._probe_batch) >= REPROBE_BATCH_CHANGE * min(
+                batch, self._probe_batch):
+            self.probe_every = PROBE_EVERY
         self._since_probe += 1
-        if self._since_probe >= PROBE_EVERY and self._should_probe(sync_rate_estimate):
+        if self._since_probe >= self.probe_every and self._should_probe(sync_rate_estimate):
             self._since_probe = 0
             self._probe_left = PROBE_ROUNDS - 1
+            self._probe_ended = PROBE_ROUNDS == 1
+            self._probe_batch = batch
             self.probing = True
             return not self.predrafting
         return self.predrafting
@@ -137,7 +164,7 @@ class PreDraftSwitch:
 
     def _probe_next(self) -> bool:
         """Whether the next round is expected to be one of a probe of the other mode (under way or due)."""
-        return self._probe_left > 0 or self._since_probe + 1 >= PROBE_EVERY
+        return self._probe_left > 0 or self._since_probe + 1 >= self.probe_every
 
     def predraft_expected(self) -> bool:
         """Whether the switch expects the next round to pre-draft: it pre-drafts, a probe of pre-drafting
@@ -159,7 +186,7 @@ class PreDraftSwitch:
         if sync is None:
             sync = sync_rate_estimate
         if pre is None or sync is None:
-            return self.predrafting, "not measured yet"
+            return self.predrafting, NOT_MEASURED
         source = "measured" if measured else "estimated"
         if pre < (sync if measured else ESTIMATE_MARGIN * sync):
             return False, f"pre-drafting steps {pre:.1f} tokens/s, sync drafting {sync:.1f} ({source})"

@@ -317,7 +317,7 @@ class RoundPlanner:
             sync_s = cost.forward_s(2 * batch, batch) + (k - 1) * cost.forward_s(batch, batch)
             sync_rate = (pre.tokens / pre.steps) / (self.verify_s + sync_s)
         before = self.switch.predrafting
-        self.predrafted = self.switch.decide(self.verify_s, self.switch.glue_s(batch), sync_rate)
+        self.predrafted = self.switch.decide(self.verify_s, self.switch.glue_s(batch), sync_rate, batch)
         if self.switch.predrafting != before:
             logger.info("Saguaro pre-drafting %s: %s", "resumed" if self.switch.predrafting else
                         "paused, drafting as mode sync does", self.switch.reason)

@@ -202,7 +202,8 @@ class SaguaroOptions(BaseModel):
     fallback: Literal["auto", "off"] = Field(
         "auto",
         description="`async` only: `auto`: a round whose pre-draft cannot pay is drafted after the "
-        "verification exactly as `sync` drafts; the other mode is probed every 16 rounds. `off`: "
+        "verification exactly as `sync` drafts; the other mode is probed after 16 rounds, the wait doubling "
+        "to 64 while probes keep the mode. `off`: "
         "always pre-draft (implied by a fixed `fanout`, `fanout_budget` or `finish_predraft: "
         "true`).",
     )
