@@ -78,6 +78,24 @@ def test_a_batch_that_changed_since_the_last_probe_is_probed_soon():
     assert rounds_until_probe(2 * BATCH) == rounds_until_probe(BATCH // 2) == PROBE_EVERY - 1
 
 
+def test_rates_measured_at_another_batch_do_not_decide():
+    """Tokens per second grow with the batch: pre-drafting last measured at batch 16 must not look faster
+    than `sync` drafting measured at batch 1 (in the regimes matrix each cell's new batch flipped the mode:
+    "resumed: pre-drafting steps 277.7 tokens/s, sync drafting 77.5"). A mode's rate counts only near the
+    batch it was measured at; a step at a batch 2x apart starts its mode's rate afresh."""
+    switch = PreDraftSwitch()
+    for _ in range(MIN_STEPS):
+        switch.observe_step(True, 16 * 6, 0.10, rows=16)
+        switch.observe_step(False, 16 * 6, 0.08, rows=16)
+    assert switch.decide(0.05, 0.001, None, batch=16) is False and not switch.predrafting  # sync is faster
+    for _ in range(MIN_STEPS):  # the batch drops to 1: `sync` steps now commit ~200 tokens/s
+        switch.observe_step(False, 6, 0.03, rows=1)
+    assert switch.rate(False, 1) == pytest.approx(200.0) and switch.samples[False] == MIN_STEPS
+    assert switch.rate(True, 16) == pytest.approx(960.0) and switch.rate(True, 1) is None
+    assert [switch.decide(0.02, 0.001, None, batch=1) for _ in range(PROBE_EVERY - 1)] == [False] * (PROBE_EVERY - 1)
+    assert not switch.predrafting and switch.reason.startswith("pre-drafting steps"), switch.reason
+
+
 def test_predrafting_resumes_when_its_costs_come_back():
     """After the fallback, a probe that finds the glue cheap again (a faster drafter, a longer
     verification) and pre-drafting steps faster than `sync` ones brings pre-drafting back for good."""

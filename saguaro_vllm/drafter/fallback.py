@@ -9,8 +9,9 @@ drafts every row just in time after it, exactly as `sync` does (no glue, no late
 `PreDraftSwitch` decides per round from measurements only:
 - the glue alone outlasts the verification (no branch can be ready without the answer waiting for the
   glue and a branch step): fall back;
-- the measured tokens per second of steps after a pre-draft against those after none (or, before any
-  such step, what `sync` drafting would cost by the step-cost model, with a margin): the slower way goes;
+- the measured tokens per second of steps after a pre-draft against those after none, each measured near
+  the current batch (or, before any such step, what `sync` drafting would cost by the step-cost model,
+  with a margin): the slower way goes;
   from the fallback, pre-drafting comes back only with a lead of RESUME_MARGIN, so measurements within
   their noise of each other keep the mode (each change's first round pays for it: no branches yet);
 - either way, the other mode is probed now and then (`PROBE_ROUNDS` in a row), so the choice follows the
@@ -65,16 +66,24 @@ GLUE_SAMPLES = 6
 
 @dataclasses.dataclass
 class _Rate:
-    """Decayed sums of one mode's steps: tokens committed and seconds (verification, lateness, answer)."""
+    """Decayed sums of one mode's steps: tokens committed, seconds (verification, lateness, answer) and
+    rows (the batch they were measured at)."""
 
     tokens: float = 0.0
     seconds: float = 0.0
     steps: float = 0.0
+    rows: float = 0.0
 
-    def add(self, tokens: float, seconds: float) -> None:
+    def add(self, tokens: float, seconds: float, rows: int = 0) -> None:
         self.tokens = RATE_DECAY * self.tokens + tokens
         self.seconds = RATE_DECAY * self.seconds + seconds
         self.steps = RATE_DECAY * self.steps + 1.0
+        self.rows = RATE_DECAY * self.rows + rows
+
+    @property
+    def batch(self) -> float:
+        """The mean batch of the steps measured (0: not recorded)."""
+        return self.rows / self.steps if self.steps else 0.0
 
     @property
     def rate(self) -> float | None:
@@ -99,11 +108,16 @@ class PreDraftSwitch:
         self._glue_fit: tuple[tuple, StepCostModel | None] = ((), None)
 
     # ---- measurements -------------------------------------------------------------------------------
-    def observe_step(self, predrafted: bool, tokens: int, seconds: float) -> None:
+    def observe_step(self, predrafted: bool, tokens: int, seconds: float, rows: int = 0) -> None:
         """A step after a round that pre-drafted (or not): its committed tokens over its verification,
-        lateness and answer time."""
+        lateness and answer time, at a batch of `rows`. A batch `REPROBE_BATCH_CHANGE`x apart from the one
+        the mode's rate was measured at starts that rate afresh: tokens per second grow with the batch."""
         if seconds > 0:
-            self.rates[predrafted].add(tokens, seconds)
+            rate = self.rates[predrafted]
+            if _apart(rows, rate.batch):
+                rate = self.rates[predrafted] = _Rate()
+                self.samples[predrafted] = 0
+            rate.add(tokens, seconds, rows)
             self.samples[predrafted] += 1
 
     def observe_glue(self, requests: int, seconds: float) -> None:
@@ -119,9 +133,14 @@ class PreDraftSwitch:
             self._glue_fit = (samples, StepCostModel.fit(samples))
         return self._glue_fit[1].step_s(requests)
 
-    def rate(self, predrafted: bool) -> float | None:
-        """Measured tokens per second of a mode's steps (None before MIN_STEPS of them)."""
-        return self.rates[predrafted].rate if self.samples[predrafted] >= MIN_STEPS else None
+    def rate(self, predrafted: bool, batch: int | None = None) -> float | None:
+        """Measured tokens per second of a mode's steps (None before MIN_STEPS of them, or where they were
+        measured at a batch `REPROBE_BATCH_CHANGE`x apart from `batch`: a mode last measured at batch 16
+        looks ~10x faster than the other measured at batch 1, which flipped the mode after every batch
+        change in the regimes matrix)."""
+        if self.samples[predrafted] < MIN_STEPS or _apart(batch, self.rates[predrafted].batch):
+            return None
+        return self.rates[predrafted].rate
 
     # ---- the decision --------------------------------------------------------------------------------
     def decide(self, verify_s: float | None, glue_s: float | None, sync_rate_estimate: float | None,
@@ -136,7 +155,7 @@ class PreDraftSwitch:
             self.probing = True
             self._probe_ended = self._probe_left == 0
             return not self.predrafting
-        wants, reason = self._preferred(verify_s, glue_s, sync_rate_estimate)
+        wants, reason = self._preferred(verify_s, glue_s, sync_rate_estimate, batch)
         ended, self._probe_ended = self._probe_ended, False
         if wants != self.predrafting:
             self.predrafting, self.reason = wants, reason
@@ -145,11 +164,10 @@ class PreDraftSwitch:
             return wants
         if ended and reason != NOT_MEASURED:  # the probe measured both modes and the mode stays: wait longer
             self.probe_every = min(2 * self.probe_every, PROBE_EVERY_MAX)
-        if batch and self._probe_batch and max(batch, self._probe_batch) >= REPROBE_BATCH_CHANGE * min(
-                batch, self._probe_batch):
+        if _apart(batch, self._probe_batch):
             self.probe_every = PROBE_EVERY
         self._since_probe += 1
-        if self._since_probe >= self.probe_every and self._should_probe(sync_rate_estimate):
+        if self._since_probe >= self.probe_every and self._should_probe(sync_rate_estimate, batch):
             self._since_probe = 0
             self._probe_left = PROBE_ROUNDS - 1
             self._probe_ended = PROBE_ROUNDS == 1
@@ -174,14 +192,14 @@ class PreDraftSwitch:
         logits per step (at batch 64 and a 128k vocabulary ~160 MB, each step on fresh memory)."""
         return self.predrafting or self._probe_next()
 
-    def _preferred(self, verify_s, glue_s, sync_rate_estimate) -> tuple[bool, str]:
+    def _preferred(self, verify_s, glue_s, sync_rate_estimate, batch=None) -> tuple[bool, str]:
         """The mode the measurements favour, and why."""
         if verify_s is None:
             return True, "no verification measured yet"
         if glue_s is not None and glue_s > verify_s:
             return False, (f"the glue ({1e3 * glue_s:.1f} ms) takes longer than the verification "
                            f"({1e3 * verify_s:.1f} ms)")
-        pre, sync = self.rate(True), self.rate(False)
+        pre, sync = self.rate(True, batch), self.rate(False, batch)
         measured = sync is not None
         if sync is None:
             sync = sync_rate_estimate
@@ -195,10 +213,15 @@ class PreDraftSwitch:
                            f"drafting {sync:.1f}")
         return True, f"pre-drafting steps {pre:.1f} tokens/s, sync drafting {sync:.1f} ({source})"
 
-    def _should_probe(self, sync_rate_estimate: float | None) -> bool:
+    def _should_probe(self, sync_rate_estimate: float | None, batch: int | None = None) -> bool:
         """In the fallback always; while pre-drafting, only while its lead over `sync` is not clear."""
         if not self.predrafting:
             return True
-        pre, sync = self.rate(True), self.rate(False)
+        pre, sync = self.rate(True, batch), self.rate(False, batch)
         sync = sync if sync is not None else sync_rate_estimate
         return pre is not None and sync is not None and pre < CLEAR_LEAD * sync
+
+
+def _apart(a: float | None, b: float | None) -> bool:
+    """Whether two batches (0 or None: unknown) are `REPROBE_BATCH_CHANGE`x or more apart."""
+    return bool(a and b) and max(a, b) >= REPROBE_BATCH_CHANGE * min(a, b)

@@ -234,7 +234,8 @@ class RoundPlanner:
         (`committed`, None where the step cannot be compared: new requests) over its verification, lateness
         and answer, credited to the mode of the round before it."""
         if committed is not None and verify_s > 0:
-            self.switch.observe_step(self.predrafted, committed, verify_s + self._round_late_s + answer_s)
+            self.switch.observe_step(self.predrafted, committed, verify_s + self._round_late_s + answer_s,
+                                     looked_up)
         self.last_answer_s = answer_s
         self.sent_tokens = sent_tokens
         if looked_up:
