@@ -17,7 +17,7 @@ from saguaro_vllm.drafter.runner import DraftModelRunner
 from saguaro_vllm.drafter.ssd_drafter import SSDDrafter
 from saguaro_vllm.shared.transport import RowUpdate, SamplingSpec, StepRequest
 
-from test_sync_drafter import greedy_continuation, make_ring, ring_probs
+from test_sync_drafter import count_slot_writes, greedy_continuation, make_ring, ring_probs
 
 K = 4
 
@@ -51,6 +51,17 @@ def simulate_outcome(model, context, drafts, rng) -> list[int]:
     if a < len(drafts) and bonus == drafts[a]:
         bonus = int(logits.argmax())
     return drafts[:a] + [bonus]
+
+
+def all_accepted(drafter, ctxs: dict[str, list[int]], drafts: list[list[int]], hits: set[str]) -> list[RowUpdate]:
+    """The next step's rows after every draft was accepted: a bonus the pre-draft branched on at depth K for
+    the requests in `hits` (a hit), one it did not for the others (a miss)."""
+    rows = []
+    for j, (rid, ctx) in enumerate(ctxs.items()):
+        cached = {t for d, t in drafter.cache.outcomes(rid) if d == K}
+        bonus = min(cached) if rid in hits else next(t for t in range(2, 300) if t not in cached)
+        rows.append(RowUpdate(rid, len(ctx), drafts[j] + [bonus], K))
+    return rows
 
 
 def run_rounds(model, drafter, rng, rounds=10, advance=lambda rng: 100, contexts=None, late_s=0.0):
@@ -188,8 +199,6 @@ def test_rows_drafted_now_write_their_q_in_place_in_answer_order(draft_model, mo
     (held until the answer instead, every forward's sampler wrote fresh memory: 1.4x `sync`'s sampling time
     at batch 16, vocabulary 128k); the hit's branch q' is copied into the slot row reserved for it, so the
     slot's rows follow the answer's order. Each row holds exactly the q' its drafts were drawn from."""
-    from saguaro_vllm.shared.proposal_buffers import SlotWriter
-
     drafter = make_drafter(draft_model, fanout=[2, 1, 1, 1, 1])
     t1 = SamplingSpec(temperature=1.0, seed=5)
     ctxs = {"m": list(range(2, 20)), "h": list(range(40, 70)), "g": list(range(100, 112))}
@@ -199,21 +208,10 @@ def test_rows_drafted_now_write_their_q_in_place_in_answer_order(draft_model, mo
     drafter.answered()
     while drafter.busy:
         drafter.advance()
-    rows = []
-    for j, (rid, ctx) in enumerate(ctxs.items()):
-        cached = {t for d, t in drafter.cache.outcomes(rid) if d == K}
-        bonus = min(cached) if rid == "h" else next(t for t in range(2, 300) if t not in cached)
-        rows.append(RowUpdate(rid, len(ctx), first.drafts[j] + [bonus], K))  # every draft accepted
-        ctxs[rid] = ctx + first.drafts[j] + [bonus]
-    calls = {"put": 0, "put_positions": 0}
-    for name in calls:
-        original = getattr(SlotWriter, name)
-
-        def counted(self, *a, _original=original, _name=name, **kw):
-            calls[_name] += 1
-            return _original(self, *a, **kw)
-
-        monkeypatch.setattr(SlotWriter, name, counted)
+    rows = all_accepted(drafter, ctxs, first.drafts, hits={"h"})
+    for row in rows:
+        ctxs[row.req_id] = ctxs[row.req_id] + row.new_tokens
+    calls = count_slot_writes(monkeypatch)
     resp = drafter.step(StepRequest(2, rows, []))
     assert resp.row_status == ["jit", "hit", "jit"], resp.row_status
     assert calls == {"put": 1, "put_positions": K}  # the hit's copy; one write per position of the misses
@@ -267,11 +265,7 @@ def test_one_miss_among_hits_is_drafted_now_only_when_worth_the_wait(draft_model
     drafter.answered()
     while drafter.busy:
         drafter.advance()
-    rows = []
-    for j, (rid, ctx) in enumerate(ctxs.items()):
-        cached = {t for d, t in drafter.cache.outcomes(rid) if d == K}
-        bonus = min(cached) if j < 7 else next(t for t in range(2, 300) if t not in cached)
-        rows.append(RowUpdate(rid, len(ctx), first.drafts[j] + [bonus], K))  # every draft accepted
+    rows = all_accepted(drafter, ctxs, first.drafts, hits=set(list(ctxs)[:7]))
     drafter.planner.costs.clear()  # a measured draft forward: 9 ms + 1 ms per row
     drafter.planner.costs.extend([(1, 1, 0.010), (2, 2, 0.011), (4, 4, 0.013)])
     drafter.planner.answered_at = time.monotonic() - verify_s

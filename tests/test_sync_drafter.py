@@ -48,6 +48,23 @@ def ring_probs(drafter, resp) -> dict[int, np.ndarray]:
     return out
 
 
+def count_slot_writes(monkeypatch) -> dict[str, int]:
+    """Counts of `SlotWriter.put` (one row's q' copied) and `put_positions` (one batched in-place write)
+    calls from now on."""
+    from saguaro_vllm.shared.proposal_buffers import SlotWriter
+
+    calls = {"put": 0, "put_positions": 0}
+    for name in calls:
+        original = getattr(SlotWriter, name)
+
+        def counted(self, *a, _original=original, _name=name, **kw):
+            calls[_name] += 1
+            return _original(self, *a, **kw)
+
+        monkeypatch.setattr(SlotWriter, name, counted)
+    return calls
+
+
 def draft_logits_of(model, context: list[int]) -> torch.Tensor:
     """Reference: the draft's next-token logits after `context`, on a fresh runner."""
     runner = DraftModelRunner(model, KVCacheConfig(num_blocks=64, block_size=16))
@@ -180,17 +197,7 @@ def test_drafter_that_cannot_load_disables_speculation(client_cfg, tmp_path):
 def test_sampled_q_is_written_in_place_once_per_position(draft_model, monkeypatch):
     """`mode: sync` writes each draft position's q' of all sampled rows into the ring slot with one batched
     write (no per-row copies at publish), and the slot holds exactly the softmax the tokens were drawn from."""
-    from saguaro_vllm.shared.proposal_buffers import SlotWriter
-
-    calls = {"put": 0, "put_positions": 0}
-    for name in calls:
-        original = getattr(SlotWriter, name)
-
-        def counted(self, *a, _original=original, _name=name, **kw):
-            calls[_name] += 1
-            return _original(self, *a, **kw)
-
-        monkeypatch.setattr(SlotWriter, name, counted)
+    calls = count_slot_writes(monkeypatch)
     drafter = make_drafter(draft_model)
     t1 = SamplingSpec(temperature=1.0, seed=3)
     ctxs = {"a": [5, 6, 7], "b": [9, 2], "g": [4, 4, 8]}
